@@ -1,0 +1,1285 @@
+#!/usr/bin/env python3
+"""pinbox: pins dropped on a running web app, delivered to the coding agent already
+working in the repo, resolved by the commit that fixes them.
+
+One file, standard library only. Run it as a command (`pinbox pin "…"`, `pinbox list`)
+or import it (`import pinbox; pinbox.run(["list", "--json"])`); importing has no side
+effects.
+"""
+
+import json
+import os
+import sqlite3
+import sys
+import time
+
+VERSION = "0.2.0"
+
+# ============================================================================
+# Constants and errors
+# ============================================================================
+
+EXIT_CODES = {
+    "E_INTERNAL": 1,
+    "E_INVALID_INPUT": 2,
+    "E_NOT_FOUND": 3,
+    "E_CONFLICT": 4,
+    "E_HUB_UNREACHABLE": 5,
+    "E_SESSION_GONE": 6,
+    "E_DELIVERY": 7,
+    "E_WS_PROTOCOL": 8,
+    "E_ATTACHMENT": 9,
+    "E_CONNECTOR": 10,
+    "E_AUTH": 11,
+    "E_FORBIDDEN": 12,
+    "E_SESSION_BUSY": 13,
+}
+
+ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+ID_PREFIXES = ("pin", "msg", "ses", "att")
+MAX_TEXT_BYTES = 64 * 1024
+PIN_STATUSES = ("open", "resolved")
+ROLES = ("human", "agent", "mirror")
+BUSY_TIMEOUT_S = 10.0
+NOT_FOUND_HINT = "run `pinbox list` to see valid ids (full ids only — prefixes don't match)"
+
+
+class PinboxError(Exception):
+    """The one error type: a stable code (which fixes the exit status), a message for
+    people, and an optional hint saying what to do next."""
+
+    def __init__(self, code, message, hint=None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.hint = hint
+
+    @property
+    def exit_code(self):
+        return EXIT_CODES.get(self.code, 1)
+
+    def envelope(self):
+        error = {"code": self.code, "message": self.message}
+        if self.hint:
+            error["hint"] = self.hint
+        return {"ok": False, "error": error}
+
+
+def invalid(message, hint=None):
+    return PinboxError("E_INVALID_INPUT", message, hint)
+
+
+def usage_hint(verb):
+    return "run `pinbox %s --help` for usage" % verb if verb else "run `pinbox --help` for usage"
+
+
+def iso_time(seconds=None):
+    """UTC with exactly three fractional digits and a Z, like JavaScript's toISOString:
+    every stored time uses this one format because SQL compares times as strings."""
+    if seconds is None:
+        seconds = time.time()
+    millis = int(seconds * 1000)
+    whole, ms = divmod(millis, 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)) + ".%03dZ" % ms
+
+
+def parse_iso(text):
+    """Seconds since the epoch for an ISO time written by iso_time (or close to it)."""
+    import calendar
+    try:
+        head, _, frac = text.rstrip("Z").partition(".")
+        base = calendar.timegm(time.strptime(head, "%Y-%m-%dT%H:%M:%S"))
+        return base + (float("0." + frac) if frac.isdigit() else 0.0)
+    except (ValueError, AttributeError):
+        return None
+
+
+def new_id(prefix):
+    chars = []
+    while len(chars) < 10:
+        for byte in os.urandom(16):
+            if byte < 252:  # 252 = 7 * 36: keeps every character equally likely
+                chars.append(ID_ALPHABET[byte % 36])
+    return prefix + "_" + "".join(chars[:10])
+
+
+def normalize_id(raw):
+    """Ids are exact; one typed in upper case is read in lower case."""
+    return raw.strip().lower() if isinstance(raw, str) else raw
+
+
+def env_number(name, default):
+    """A numeric setting from the environment; garbage falls back to the default."""
+    try:
+        value = int(os.environ.get(name, ""))
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+def clean_text(text, what):
+    """Text as stored: valid UTF-8 (arguments arrive with undecodable bytes escaped),
+    at most MAX_TEXT_BYTES."""
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise invalid("%s is not valid UTF-8" % what,
+                      "pinbox stores text as UTF-8; convert it first (for example with iconv -t UTF-8)")
+    if size > MAX_TEXT_BYTES:
+        raise invalid("%s is %d bytes; the limit is %d (64 KiB)" % (what, size, MAX_TEXT_BYTES),
+                      "shorten it, or put the long part in a file and point to it with --file")
+    return text
+
+
+def dumps_compact(value):
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def js_number(value):
+    """Numbers print the JavaScript way: an integral float prints as 120, not 120.0."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+# ============================================================================
+# Store: files, schema, migrations
+# ============================================================================
+
+def find_root(start=None):
+    """The project: nearest ancestor holding .pinbox/, else the git top level, else the
+    working directory. A subfolder therefore talks to the same store as the repo root."""
+    start = os.path.abspath(start or os.getcwd())
+    git_top = None
+    path = start
+    while True:
+        if os.path.isdir(os.path.join(path, ".pinbox")):
+            return path
+        if git_top is None and os.path.exists(os.path.join(path, ".git")):
+            git_top = path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return git_top or start
+        path = parent
+
+
+def store_dir(root):
+    return os.environ.get("PINBOX_DIR") or os.path.join(root, ".pinbox")
+
+
+# Versions are append-only. 1-4 are the original pinbox's, so its databases open here
+# unchanged; 5 stays unused as it does there.
+MIGRATIONS = {
+    1: [
+        "CREATE TABLE IF NOT EXISTS events(seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+        " type TEXT NOT NULL, at TEXT NOT NULL, payload TEXT NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS pins(id TEXT PRIMARY KEY, status TEXT NOT NULL,"
+        " created_at TEXT NOT NULL, due_at TEXT, json TEXT NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS thread_messages(id TEXT PRIMARY KEY, pin_id TEXT NOT NULL,"
+        " at TEXT NOT NULL, json TEXT NOT NULL)",
+        "CREATE INDEX IF NOT EXISTS pins_due_at ON pins(due_at) WHERE due_at IS NOT NULL",
+    ],
+    2: [
+        "CREATE TABLE IF NOT EXISTS sessions(id TEXT PRIMARY KEY, agent TEXT NOT NULL,"
+        " key TEXT NOT NULL, cwd TEXT, registered_at TEXT NOT NULL, last_seen_at TEXT NOT NULL,"
+        " ended_at TEXT, json TEXT NOT NULL)",
+        "CREATE UNIQUE INDEX IF NOT EXISTS sessions_agent_key ON sessions(agent, key)",
+        "CREATE TABLE IF NOT EXISTS deliveries(id INTEGER PRIMARY KEY AUTOINCREMENT,"
+        " event_seq INTEGER NOT NULL, session_id TEXT, adapter TEXT NOT NULL, status TEXT NOT NULL,"
+        " attempts INTEGER NOT NULL DEFAULT 0, due_at TEXT, last_error TEXT, updated_at TEXT NOT NULL)",
+        "CREATE INDEX IF NOT EXISTS deliveries_due ON deliveries(due_at) WHERE status = 'pending'",
+    ],
+    3: [
+        "CREATE TABLE IF NOT EXISTS cursors(consumer_id TEXT PRIMARY KEY,"
+        " last_seq INTEGER NOT NULL, updated_at TEXT NOT NULL)",
+        # Optional: a SQLite built without FTS5 refuses this, and search falls back to a scan.
+        "?CREATE VIRTUAL TABLE IF NOT EXISTS pins_fts USING fts5(pin_id UNINDEXED,"
+        " kind UNINDEXED, body, tokenize='unicode61')",
+    ],
+    4: [
+        "CREATE TABLE IF NOT EXISTS links(pin_id TEXT NOT NULL, connector TEXT NOT NULL,"
+        " ref TEXT NOT NULL, url TEXT NOT NULL, created_at TEXT NOT NULL, last_synced_at TEXT,"
+        " PRIMARY KEY (pin_id, connector, ref))",
+    ],
+    # The pin number gets a column of its own so that the next number is one indexed
+    # MAX() inside the write transaction, never a COUNT that repeats after a delete.
+    6: [
+        "ALTER TABLE pins ADD COLUMN n INTEGER",
+        "CREATE UNIQUE INDEX IF NOT EXISTS pins_n ON pins(n) WHERE n IS NOT NULL",
+        "CREATE INDEX IF NOT EXISTS pins_status_created ON pins(status, created_at)",
+        "CREATE INDEX IF NOT EXISTS thread_messages_pin ON thread_messages(pin_id)",
+        "CREATE INDEX IF NOT EXISTS deliveries_event ON deliveries(event_seq)",
+    ],
+}
+SCHEMA_VERSION = max(MIGRATIONS)
+
+
+def _backfill_numbers(conn):
+    for rowid, raw in conn.execute("SELECT rowid, json FROM pins WHERE n IS NULL").fetchall():
+        try:
+            n = json.loads(raw).get("n")
+        except ValueError:
+            continue
+        if isinstance(n, int) and n > 0:
+            conn.execute("UPDATE pins SET n = ? WHERE rowid = ?", (n, rowid))
+
+
+def _backfill_fts(conn):
+    """Databases made before full-text search (or by a build without it) get their
+    pins and messages indexed once FTS5 is there."""
+    if conn.execute("SELECT 1 FROM pins_fts LIMIT 1").fetchone():
+        return
+    for pin_id, raw in conn.execute("SELECT id, json FROM pins ORDER BY rowid").fetchall():
+        conn.execute("INSERT INTO pins_fts(pin_id, kind, body) VALUES (?, 'pin', ?)",
+                     (pin_id, _text_of(raw)))
+    for pin_id, raw in conn.execute("SELECT pin_id, json FROM thread_messages ORDER BY rowid").fetchall():
+        conn.execute("INSERT INTO pins_fts(pin_id, kind, body) VALUES (?, 'msg', ?)",
+                     (pin_id, _text_of(raw)))
+
+
+def _text_of(raw):
+    try:
+        text = json.loads(raw).get("text")
+    except (ValueError, AttributeError):
+        return ""
+    return text if isinstance(text, str) else ""
+
+
+class Store:
+    """The project's SQLite file. Every write is one short BEGIN IMMEDIATE transaction;
+    readers never block writers (WAL)."""
+
+    def __init__(self, directory, timeout=BUSY_TIMEOUT_S, create=True):
+        """`create=False` is for readers: a project with no store yet reads as an empty
+        one, and no file is made."""
+        self.directory = directory
+        self.path = os.path.join(directory, "pinbox.db")
+        self.exists = os.path.exists(self.path)
+        self._fts = None
+        if create and not self.exists:
+            try:
+                os.makedirs(directory, exist_ok=True)
+            except OSError as exc:
+                raise PinboxError("E_INTERNAL", "cannot create %s: %s" % (directory, exc.strerror),
+                                  "check that the project directory exists and is writable")
+        with self.guard():
+            self.conn = sqlite3.connect(self.path if create or self.exists else ":memory:", timeout=timeout,
+                                        isolation_level=None, check_same_thread=False)
+            mode = self.conn.execute("PRAGMA journal_mode").fetchone()[0]
+            if mode != "wal":
+                self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=NORMAL")
+            if self.conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+                self._migrate()
+
+    def close(self):
+        conn = getattr(self, "conn", None)
+        if conn is not None:
+            conn.close()
+            self.conn = None
+
+    def guard(self):
+        return _StoreGuard(self.path)
+
+    def write(self):
+        """`with store.write() as conn:` — one BEGIN IMMEDIATE transaction."""
+        return _Transaction(self)
+
+    def _migrate(self):
+        with self.write() as conn:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            for number in sorted(MIGRATIONS):
+                if number <= version:
+                    continue
+                for statement in MIGRATIONS[number]:
+                    optional = statement.startswith("?")
+                    try:
+                        conn.execute(statement.lstrip("?"))
+                    except sqlite3.OperationalError as exc:
+                        if optional:
+                            continue
+                        if "duplicate column" in str(exc):
+                            continue  # a half-applied legacy schema
+                        raise
+                if number == 6:
+                    _backfill_numbers(conn)
+                conn.execute("PRAGMA user_version = %d" % number)
+            self._fts = None
+            if self.has_fts():
+                _backfill_fts(conn)
+
+    def has_fts(self):
+        if self._fts is None:
+            row = self.conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'pins_fts'").fetchone()
+            self._fts = row is not None
+        return self._fts
+
+    def index_text(self, conn, pin_id, kind, text):
+        if not self.has_fts():
+            return
+        try:
+            conn.execute("INSERT INTO pins_fts(pin_id, kind, body) VALUES (?, ?, ?)", (pin_id, kind, text))
+        except sqlite3.OperationalError as exc:
+            # The index was made by a build with FTS5 and this one has none: keep writing.
+            if "no such module" not in str(exc):
+                raise
+            self._fts = False
+
+
+class _Transaction:
+    def __init__(self, store):
+        self.store = store
+
+    def __enter__(self):
+        self.store.conn.execute("BEGIN IMMEDIATE")
+        return self.store.conn
+
+    def __exit__(self, kind, value, tb):
+        conn = self.store.conn
+        if kind is None:
+            conn.execute("COMMIT")
+        elif conn.in_transaction:
+            conn.execute("ROLLBACK")
+        return False
+
+
+class _StoreGuard:
+    """Turns SQLite failures into a PinboxError that names the file, never a traceback."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        if kind is None or not issubclass(kind, sqlite3.Error):
+            return False
+        raise store_error(self.path, value) from None
+
+
+def store_error(path, exc):
+    text = str(exc)
+    if "locked" in text or "busy" in text:
+        return PinboxError("E_INTERNAL", "the store is busy: %s" % text,
+                           "another process holds %s; retry in a moment" % path)
+    if "readonly" in text or "read-only" in text:
+        return PinboxError("E_INTERNAL", "the store is read-only: %s" % text,
+                           "make %s and its folder writable" % path)
+    if "disk" in text and "full" in text:
+        return PinboxError("E_INTERNAL", "the disk is full: %s" % text,
+                           "free some space on the disk that holds %s" % path)
+    return PinboxError("E_INTERNAL", "cannot use the store: %s" % text,
+                       "%s is damaged or not a pinbox database; move it aside (pinbox starts a "
+                       "new one) or restore it from a backup" % path)
+
+
+def append_event(conn, kind, at, payload):
+    cur = conn.execute("INSERT INTO events(type, at, payload) VALUES (?, ?, ?)",
+                       (kind, at, dumps_compact(payload)))
+    return cur.lastrowid
+
+
+def events_after(store, seq, limit=500):
+    rows = store.conn.execute(
+        "SELECT seq, type, at, payload FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
+        (seq, limit)).fetchall()
+    return [{"seq": s, "type": t, "at": a, "payload": json.loads(p)} for s, t, a, p in rows]
+
+
+# ============================================================================
+# Pins and threads
+# ============================================================================
+
+# Key order of a stored pin (the original's schema order, so JSON output matches it).
+PIN_KEYS = ("text", "kind", "target", "move", "env", "author", "agentSession", "attachments",
+            "id", "n", "schemaVersion", "status", "createdAt", "resolution", "verification", "links")
+MESSAGE_KEYS = ("id", "pinId", "role", "origin", "session", "text", "edit", "attachments", "at")
+
+
+def ordered(record, keys):
+    out = {k: record[k] for k in keys if k in record and record[k] is not None}
+    for k, v in record.items():
+        if k not in out and v is not None:
+            out[k] = v
+    return out
+
+
+def create_pin(store, fields):
+    """Stores a new open pin. `fields` holds text and whatever of kind, target, move,
+    env, author, agentSession and attachments the caller has."""
+    text = clean_text(fields.get("text", ""), "pin text")
+    if not text.strip():
+        raise invalid("pin text must not be empty", 'quote the text: pinbox pin "your text"')
+    pin = dict(fields, text=text)
+    pin.setdefault("kind", "note")
+    pin.setdefault("author", {"userId": "unknown"})
+    pin.update(id=new_id("pin"), schemaVersion=1, status="open", createdAt=iso_time())
+    with store.guard(), store.write() as conn:
+        pin["n"] = conn.execute("SELECT COALESCE(MAX(n), 0) + 1 FROM pins").fetchone()[0]
+        pin = ordered(pin, PIN_KEYS)
+        conn.execute("INSERT INTO pins(id, status, created_at, json, n) VALUES (?, ?, ?, ?, ?)",
+                     (pin["id"], pin["status"], pin["createdAt"], dumps_compact(pin), pin["n"]))
+        store.index_text(conn, pin["id"], "pin", text)
+        append_event(conn, "pin.created", pin["createdAt"], pin)
+    return pin
+
+
+def _read_pin(conn, pin_id):
+    row = conn.execute("SELECT json FROM pins WHERE id = ?", (pin_id,)).fetchone()
+    if row is None:
+        raise PinboxError("E_NOT_FOUND", "no pin with id %s" % pin_id, NOT_FOUND_HINT)
+    return json.loads(row[0])
+
+
+def get_pin(store, pin_id):
+    with store.guard():
+        return _read_pin(store.conn, normalize_id(pin_id))
+
+
+def _save_pin(conn, pin):
+    conn.execute("UPDATE pins SET status = ?, json = ? WHERE id = ?",
+                 (pin["status"], dumps_compact(ordered(pin, PIN_KEYS)), pin["id"]))
+
+
+def list_pins(store, status=None, search=None):
+    """Pins newest first, optionally only one status and only those whose text or
+    thread mentions `search`."""
+    sql = "SELECT json FROM pins"
+    args = []
+    where = []
+    if status:
+        where.append("status = ?")
+        args.append(status)
+    with store.guard():
+        if search is not None:
+            ids = search_pin_ids(store, search)
+            if not ids:
+                return []
+            where.append("id IN (%s)" % ",".join("?" * len(ids)))
+            args.extend(ids)
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY created_at DESC, rowid DESC"
+        return [json.loads(raw) for (raw,) in store.conn.execute(sql, args)]
+
+
+def search_pin_ids(store, query):
+    query = query.strip()
+    if not query:
+        return []
+    if store.has_fts():
+        # The whole query is one phrase (quotes doubled, so nothing in it is FTS syntax);
+        # its last word also matches as a prefix: "butt" finds "button".
+        phrase = '"' + query.replace('"', '""') + '"*'
+        try:
+            rows = store.conn.execute(
+                "SELECT DISTINCT pin_id FROM pins_fts WHERE pins_fts MATCH ?", (phrase,)).fetchall()
+            return [r[0] for r in rows]
+        except sqlite3.OperationalError as exc:
+            if "no such module" not in str(exc):
+                raise
+            store._fts = False
+    # Without FTS5: a case-insensitive substring scan of pin and message text.
+    needle = query.casefold()
+    found = []
+    for pin_id, raw in store.conn.execute("SELECT id, json FROM pins"):
+        if needle in _text_of(raw).casefold():
+            found.append(pin_id)
+    for pin_id, raw in store.conn.execute("SELECT pin_id, json FROM thread_messages"):
+        if needle in _text_of(raw).casefold():
+            found.append(pin_id)
+    return sorted(set(found))
+
+
+def get_thread(store, pin_id):
+    with store.guard():
+        rows = store.conn.execute(
+            "SELECT json FROM thread_messages WHERE pin_id = ? ORDER BY rowid", (pin_id,)).fetchall()
+    return [json.loads(raw) for (raw,) in rows]
+
+
+def add_message(store, pin_id, role, text, session=None, origin=None, attachments=None):
+    pin_id = normalize_id(pin_id)
+    if role not in ROLES:
+        raise invalid('invalid role: "%s" (expected human, agent or mirror)' % role)
+    text = clean_text(text, "reply text")
+    if not text.strip():
+        raise invalid("reply text must not be empty", 'quote the message: pinbox reply <id> "your text"')
+    message = {"id": new_id("msg"), "pinId": pin_id, "role": role, "origin": origin,
+               "session": session, "text": text, "attachments": attachments, "at": iso_time()}
+    message = ordered(message, MESSAGE_KEYS)
+    with store.guard(), store.write() as conn:
+        _read_pin(conn, pin_id)
+        conn.execute("INSERT INTO thread_messages(id, pin_id, at, json) VALUES (?, ?, ?, ?)",
+                     (message["id"], pin_id, message["at"], dumps_compact(message)))
+        store.index_text(conn, pin_id, "msg", text)
+        append_event(conn, "thread.message", message["at"], message)
+    return message
+
+
+def resolve_pin(store, pin_id, by, note=None, commit=None, session=None):
+    """Marks a pin resolved. A fix that a human rejected earlier (a reopen) is history
+    now: the old verification is dropped so the new resolution can be judged afresh."""
+    pin_id = normalize_id(pin_id)
+    if note is not None:
+        note = clean_text(note, "note")
+    with store.guard(), store.write() as conn:
+        pin = _read_pin(conn, pin_id)
+        if pin.get("status") == "resolved":
+            raise PinboxError("E_CONFLICT", "%s is already resolved" % pin_id,
+                              "run `pinbox show %s` to see who resolved it and why" % pin_id)
+        resolution = {"by": by, "note": note, "commit": commit, "session": session, "at": iso_time()}
+        pin["status"] = "resolved"
+        pin["resolution"] = ordered(resolution, ("by", "note", "commit", "session", "at"))
+        pin.pop("verification", None)
+        _save_pin(conn, pin)
+        append_event(conn, "pin.resolved", resolution["at"], ordered(pin, PIN_KEYS))
+    return ordered(pin, PIN_KEYS)
+
+
+def verify_pin(store, pin_id, outcome, note=None):
+    """A human's verdict on a resolution: `accepted` keeps it resolved, `reopened`
+    rejects the fix and opens the pin again (a deliverable event)."""
+    pin_id = normalize_id(pin_id)
+    if outcome not in ("accepted", "reopened"):
+        raise invalid('invalid outcome: "%s" (expected accepted or reopened)' % outcome)
+    if note is not None:
+        note = clean_text(note, "note")
+    with store.guard(), store.write() as conn:
+        pin = _read_pin(conn, pin_id)
+        if pin.get("status") != "resolved":
+            raise PinboxError("E_CONFLICT", "%s is not resolved" % pin_id,
+                              "only a resolved pin can be %s" % outcome)
+        verification = ordered({"outcome": outcome, "note": note, "at": iso_time()},
+                               ("outcome", "note", "at"))
+        pin["verification"] = verification
+        if outcome == "reopened":
+            pin["status"] = "open"
+        _save_pin(conn, pin)
+        append_event(conn, "pin.verified", verification["at"], ordered(pin, PIN_KEYS))
+    return ordered(pin, PIN_KEYS)
+
+
+def summary(store):
+    with store.guard():
+        counts = dict(store.conn.execute("SELECT status, COUNT(*) FROM pins GROUP BY status").fetchall())
+        last = store.conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0]
+        live = store.conn.execute("SELECT COUNT(*) FROM sessions WHERE ended_at IS NULL").fetchone()[0]
+    return {"open": counts.get("open", 0), "resolved": counts.get("resolved", 0),
+            "lastEventSeq": last, "sessions": live, "connectedToolbars": 0}
+
+
+# --- How a pin is named in one line ------------------------------------------
+
+def source_ref(source):
+    if not isinstance(source, dict) or not source.get("file"):
+        return None
+    line = source.get("line")
+    return source["file"] + (":" + js_number(line) if line is not None else "")
+
+
+def pin_locus(pin):
+    """Where a pin points: its selector, else its source file, else its page."""
+    target = pin.get("target") or {}
+    return target.get("selector") or source_ref(target.get("source")) or target.get("url")
+
+
+def compact_line(pin):
+    locus = pin_locus(pin)
+    head = "- [%s] " % pin.get("status", "open")
+    if not locus:
+        return head + "%s (%s)" % (pin.get("text", ""), pin.get("id"))
+    extras = []
+    for other in (pin.get("target") or {}).get("targets") or []:
+        name = other.get("selector") or other.get("anchor") or other.get("tag")
+        if name:
+            extras.append(name)
+    more = " (+%s)" % ", ".join(extras) if extras else ""
+    return head + "%s%s — %s (%s)" % (locus, more, pin.get("text", ""), pin.get("id"))
+
+
+def relative_age(at, now=None):
+    then = parse_iso(at) if isinstance(at, str) else None
+    if then is None:
+        return "?"
+    seconds = max(0.0, (now if now is not None else time.time()) - then)
+    minutes = int(seconds / 60 + 0.5)
+    if minutes == 0:
+        return "just now"
+    if minutes < 60:
+        return "%dm ago" % minutes
+    hours = int(minutes / 60 + 0.5)
+    if hours < 24:
+        return "%dh ago" % hours
+    return "%dd ago" % int(hours / 24 + 0.5)
+
+
+# --- Markdown export ------------------------------------------------------------
+
+def house_json(value, indent=0, cursor=0, width=80):
+    """Pretty JSON that keeps short objects and arrays on one line (the original's
+    printer, so forensic exports match it)."""
+    inline = _inline_json(value)
+    if cursor + len(inline) <= width or not isinstance(value, (dict, list)) or not value:
+        return inline
+    pad = " " * (indent + 2)
+    if isinstance(value, dict):
+        parts = []
+        for key, item in value.items():
+            label = json.dumps(key, ensure_ascii=False)
+            parts.append(pad + label + ": " + house_json(item, indent + 2, indent + 2 + len(label) + 2, width))
+        return "{\n" + ",\n".join(parts) + "\n" + " " * indent + "}"
+    parts = [pad + house_json(item, indent + 2, indent + 2, width) for item in value]
+    return "[\n" + ",\n".join(parts) + "\n" + " " * indent + "]"
+
+
+def _inline_json(value):
+    if isinstance(value, dict):
+        if not value:
+            return "{}"
+        return "{ " + ", ".join(json.dumps(k, ensure_ascii=False) + ": " + _inline_json(v)
+                                for k, v in value.items()) + " }"
+    if isinstance(value, list):
+        return "[" + ", ".join(_inline_json(v) for v in value) + "]"
+    if isinstance(value, float):
+        return js_number(value)
+    return json.dumps(value, ensure_ascii=False)
+
+
+def format_rect(rect):
+    return "%s,%s %sx%s" % tuple(js_number(rect.get(k)) for k in ("x", "y", "width", "height"))
+
+
+def markdown_pin(pin, detail):
+    lines = [compact_line(pin)]
+    if detail == "compact":
+        return "\n".join(lines)
+    target = pin.get("target") or {}
+    if target.get("url"):
+        lines.append("  - url: " + target["url"])
+    if source_ref(target.get("source")):
+        lines.append("  - source: " + source_ref(target["source"]))
+    if isinstance(target.get("rect"), dict):
+        lines.append("  - rect: " + format_rect(target["rect"]))
+    nearby = (target.get("context") or {}).get("nearbyText")
+    if nearby:
+        lines.append('  - nearby: "%s"' % nearby)
+    if detail == "forensic":
+        record = {}
+        if target.get("context") is not None:
+            record["context"] = target["context"]
+        if pin.get("env"):
+            record["env"] = pin["env"]
+        if record:
+            lines.append("")
+            lines.append("  ```json")
+            lines.extend("  " + line for line in house_json(record).split("\n"))
+            lines.append("  ```")
+    return "\n".join(lines)
+
+
+def markdown_pins(pins, detail):
+    return "\n".join(markdown_pin(pin, detail) for pin in pins)
+
+
+# ============================================================================
+# Commit trailers
+# ============================================================================
+
+# ============================================================================
+# CLI: output
+# ============================================================================
+
+class Output:
+    """Where a verb's result goes: the JSON envelope when --json is given or stdout is
+    not a terminal, else facts on stdout and counts on stderr."""
+
+    def __init__(self, json_mode, asked=False):
+        self.json = json_mode
+        self.asked = asked  # --json was given (not just a pipe)
+
+    def result(self, data, facts=None, note=None):
+        if self.json:
+            write_out(json.dumps({"ok": True, "data": data}, indent=2, ensure_ascii=False) + "\n")
+            return
+        if facts:
+            write_out(facts if facts.endswith("\n") else facts + "\n")
+        if note:
+            write_err(note + "\n")
+
+    def error(self, err):
+        if self.json:
+            write_out(json.dumps(err.envelope(), indent=2, ensure_ascii=False) + "\n")
+        else:
+            write_err("pinbox: %s\n%s" % (err.message, err.hint + "\n" if err.hint else ""))
+
+
+def write_out(text):
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def write_err(text):
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
+def pad_columns(rows):
+    """Rows of cells, every column but the last padded to its widest cell."""
+    if not rows:
+        return ""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines = []
+    for row in rows:
+        cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])] + [row[-1]]
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def one_line(text):
+    first, _, rest = text.partition("\n")
+    return first + (" …" if rest.strip() else "")
+
+
+# ============================================================================
+# CLI: verbs
+# ============================================================================
+
+class Context:
+    """What every verb gets: its parsed arguments, the output, and (opened on first
+    use) the project's store."""
+
+    def __init__(self, args, output, cwd=None):
+        self.args = args
+        self.out = output
+        self.cwd = cwd or os.getcwd()
+        self._store = None
+
+    @property
+    def root(self):
+        return find_root(self.cwd)
+
+    @property
+    def store(self):
+        """The store for writing: made on first use."""
+        if self._store is None or not self._store.exists:
+            self.close()
+            self._store = Store(store_dir(self.root))
+        return self._store
+
+    @property
+    def reader(self):
+        """The store for reading: an empty one when the project has none yet."""
+        if self._store is None:
+            self._store = Store(store_dir(self.root), create=False)
+        return self._store
+
+    def close(self):
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+
+def read_text_arg(value, what):
+    """A text argument; `-` means read it from stdin (multi-line text, any bytes)."""
+    if value != "-":
+        return value
+    data = sys.stdin.buffer.read(MAX_TEXT_BYTES * 4 + 1)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise invalid("%s on stdin is not valid UTF-8" % what,
+                      "pinbox stores text as UTF-8; convert it first (for example with iconv -t UTF-8)")
+
+
+def git_output(args, cwd):
+    """stdout of a git command, or None when git is missing or fails."""
+    import subprocess
+    try:
+        done = subprocess.run(["git"] + args, cwd=cwd, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.decode("utf-8", "replace")
+
+
+def git_stamp(root):
+    """The branch and commit the project is on, for a new pin's env (empty outside git
+    or before the first commit)."""
+    out = git_output(["rev-parse", "HEAD", "--abbrev-ref", "HEAD"], root)
+    lines = (out or "").split()
+    if len(lines) != 2:
+        return {}
+    return {"branch": lines[1], "commit": lines[0]}
+
+
+def git_author(cwd):
+    out = git_output(["config", "--get-regexp", r"^user\.(name|email)$"], cwd) or ""
+    found = {}
+    for line in out.splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip():
+            found[key.split(".")[-1]] = value.strip()
+    author = {"userId": found.get("email") or os.environ.get("USER") or "unknown"}
+    author.update((k, found[k]) for k in ("name", "email") if k in found)
+    return author
+
+
+def file_source(raw, cwd):
+    """`--file path[:line]` → a source target relative to the file's repository."""
+    path, line = raw, None
+    head, sep, tail = raw.rpartition(":")
+    if sep and head and tail.isdigit():
+        path, line = head, int(tail)
+    full = os.path.normpath(os.path.join(cwd, path))
+    if not os.path.isfile(full):
+        raise invalid('no such file: "%s"' % path, "--file takes a path that exists, optionally with :line")
+    folder, name = os.path.split(full)
+    prefix = git_output(["rev-parse", "--show-prefix"], folder)
+    if prefix is not None:
+        rel = prefix.strip() + name
+    elif full.startswith(os.path.abspath(cwd) + os.sep):
+        rel = os.path.relpath(full, cwd)
+    else:
+        rel = full
+    source = {"file": rel}
+    if line is not None:
+        source["line"] = line
+    source["via"] = "none"
+    return source
+
+
+def check_url(raw):
+    from urllib.parse import urlsplit
+    try:
+        parts = urlsplit(raw)
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
+        raise invalid('invalid --url: "%s" (expected an absolute URL)' % raw, usage_hint("pin"))
+    return raw
+
+
+def check_choice(value, flag, choices, verb):
+    if value is None or value in choices:
+        return value
+    expected = " or ".join(choices) if len(choices) == 2 else ", ".join(choices[:-1]) + ", or " + choices[-1]
+    raise invalid('invalid %s: "%s" (expected %s)' % (flag, value, expected), usage_hint(verb))
+
+
+def cmd_pin(ctx):
+    args = ctx.args
+    text = read_text_arg(args.text, "pin text").strip()
+    if not text:
+        raise invalid("pin text must not be empty", 'quote the text: pinbox pin "your text"')
+    clean_text(text, "pin text")
+    if args.selector is not None and args.url is None:
+        raise invalid("--selector needs --url (a selector without a page is not a target)", usage_hint("pin"))
+    target = {}
+    if args.url is not None:
+        target["url"] = check_url(args.url)
+    if args.selector is not None:
+        target["selector"] = args.selector
+    if args.file is not None:
+        target["source"] = file_source(args.file, ctx.cwd)
+    fields = {"text": text, "kind": "note"}
+    if target:
+        fields["target"] = target
+    root = ctx.root
+    fields["env"] = git_stamp(root)
+    fields["author"] = git_author(ctx.cwd)
+    pin = create_pin(ctx.store, fields)
+    if "source" in target:
+        note = "pinned to " + source_ref(target["source"])
+    elif "url" in target:
+        note = "pinned to " + target["url"]
+    else:
+        note = "pinned"
+    ctx.out.result(pin, pin["id"], note)
+
+
+def cmd_list(ctx):
+    status = check_choice(ctx.args.status, "--status", PIN_STATUSES, "list")
+    pins = list_pins(ctx.reader, status, ctx.args.search)
+    now = time.time()
+    rows = [[p["id"], p.get("status", "open"), relative_age(p.get("createdAt"), now).ljust(7),
+             pin_locus(p) or "—", one_line(p.get("text", ""))] for p in pins]
+    counts = {}
+    for p in pins:
+        counts[p.get("status")] = counts.get(p.get("status"), 0) + 1
+    note = "%d pin%s" % (len(pins), "" if len(pins) == 1 else "s")
+    parts = ["%d %s" % (counts[s], s) for s in PIN_STATUSES if counts.get(s)]
+    if parts:
+        note += " (%s)" % ", ".join(parts)
+    ctx.out.result(pins, pad_columns(rows), note)
+
+
+def render_show(pin, thread, now=None):
+    now = time.time() if now is None else now
+    target = pin.get("target") or {}
+    facts = []
+    if target.get("selector"):
+        facts.append(("target", target["selector"] + ("  <%s>" % target["tag"] if target.get("tag") else "")))
+    if source_ref(target.get("source")):
+        facts.append(("source", source_ref(target["source"])))
+    if target.get("url"):
+        facts.append(("url", target["url"]))
+    if isinstance(target.get("rect"), dict):
+        facts.append(("rect", format_rect(target["rect"])))
+    nearby = (target.get("context") or {}).get("nearbyText")
+    if nearby:
+        facts.append(("nearby", '"%s"' % nearby))
+    env = pin.get("env") or {}
+    viewport = env.get("viewport")
+    if isinstance(viewport, dict):
+        shown = "%sx%s@%sx" % tuple(js_number(viewport.get(k)) for k in ("w", "h", "dpr"))
+        for key in ("browser", "os", "colorScheme"):
+            if env.get(key):
+                shown += "  " + env[key]
+        facts.append(("env", shown))
+    git = [part for part in (env.get("branch"), (env.get("commit") or "")[:7]) if part]
+    if git:
+        facts.append(("git", " @ ".join(git)))
+    if (pin.get("author") or {}).get("userId"):
+        facts.append(("author", pin["author"]["userId"]))
+    facts.append(("created", "%s (%s)" % (pin.get("createdAt"), relative_age(pin.get("createdAt"), now))))
+    resolution = pin.get("resolution")
+    if resolution and pin.get("status") == "resolved":
+        line = "by %s, %s" % (resolution.get("by"), relative_age(resolution.get("at"), now))
+        if resolution.get("note"):
+            line += " — " + resolution["note"]
+        facts.append(("resolved", line))
+        if resolution.get("commit"):
+            facts.append(("commit", "%s (%s)" % (resolution["commit"][:7], resolution["commit"])))
+    verification = pin.get("verification")
+    if verification:
+        line = "%s, %s" % (verification.get("outcome"), relative_age(verification.get("at"), now))
+        if verification.get("note"):
+            line += " — " + verification["note"]
+        facts.append(("verified", line))
+    lines = ["%s  %s  %s" % (pin.get("id"), pin.get("status"), pin.get("kind", "note")),
+             "text      " + pin.get("text", "")]
+    lines += ["%s  %s" % (label.ljust(8), value) for label, value in facts]
+    if thread:
+        lines.append("")
+        lines.append(pad_columns([[m.get("role", ""), relative_age(m.get("at"), now), m.get("text", "")]
+                                  for m in thread]))
+    return "\n".join(lines)
+
+
+def cmd_show(ctx):
+    pin = get_pin(ctx.reader, ctx.args.id)
+    thread = get_thread(ctx.reader, pin["id"])
+    ctx.out.result({"pin": pin, "thread": thread}, render_show(pin, thread))
+
+
+def check_role(value, verb):
+    return check_choice(value, "--as", ("human", "agent"), verb)
+
+
+def cmd_reply(ctx):
+    role = check_role(ctx.args.role, "reply")
+    text = read_text_arg(ctx.args.text, "reply text")
+    message = add_message(ctx.store, ctx.args.id, role, text)
+    ctx.out.result(message, message["id"], "replied to %s as %s" % (message["pinId"], role))
+
+
+def cmd_resolve(ctx):
+    by = check_role(ctx.args.role, "resolve")
+    pin = resolve_pin(ctx.store, ctx.args.id, by, ctx.args.note)
+    ctx.out.result(pin, "%s resolved" % pin["id"],
+                   "by %s%s" % (by, " — " + ctx.args.note if ctx.args.note else ""))
+
+
+def cmd_reopen(ctx):
+    pin = verify_pin(ctx.store, ctx.args.id, "reopened", ctx.args.note)
+    ctx.out.result(pin, "%s reopened" % pin["id"],
+                   "by human%s" % (" — " + ctx.args.note if ctx.args.note else ""))
+
+
+def cmd_summary(ctx):
+    data = summary(ctx.reader)
+    facts = "\n".join(["open        %d" % data["open"], "resolved    %d" % data["resolved"],
+                       "sessions    %d" % data["sessions"], "last event  #%d" % data["lastEventSeq"]])
+    ctx.out.result(data, facts)
+
+
+def cmd_export(ctx):
+    args = ctx.args
+    fmt = args.format or ("json" if ctx.out.asked else "md")
+    # md prints markdown and reports errors on stderr even when piped (unless --json).
+    ctx.out.json = fmt == "json" or ctx.out.asked
+    check_choice(fmt, "--format", ("md", "json"), "export")
+    detail = check_choice(args.detail or "standard", "--detail", ("compact", "standard", "forensic"), "export")
+    status = check_choice(args.status, "--status", PIN_STATUSES, "export")
+    pins = list_pins(ctx.reader, status)
+    if fmt == "json":
+        ctx.out.result(pins)
+        return
+    text = markdown_pins(pins, detail)
+    if text:
+        write_out(text + "\n")
+
+
+def doctor_checks(ctx):
+    checks = []
+
+    def check(name, probe):
+        try:
+            checks.append({"name": name, "ok": True, "detail": probe()})
+        except Exception as exc:  # a failing probe is a finding, not a crash
+            checks.append({"name": name, "ok": False, "detail": str(exc) or type(exc).__name__})
+
+    def probe_sqlite():
+        conn = sqlite3.connect(":memory:")
+        conn.execute("CREATE TABLE t(x)")
+        conn.execute("INSERT INTO t VALUES (1)")
+        assert conn.execute("SELECT x FROM t").fetchone() == (1,)
+        return "created and read a table in :memory: (SQLite %s)" % sqlite3.sqlite_version
+
+    def probe_fts():
+        conn = sqlite3.connect(":memory:")
+        try:
+            conn.execute("CREATE VIRTUAL TABLE t USING fts5(body)")
+        except sqlite3.OperationalError:
+            return "not in this SQLite build — search scans instead (slower)"
+        conn.execute("INSERT INTO t VALUES ('probe')")
+        conn.execute("SELECT * FROM t WHERE t MATCH 'probe'").fetchall()
+        return "MATCH query answered on a virtual table"
+
+    def probe_state_dir():
+        path = state_dir(ctx.root)
+        old = os.umask(0o077)
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            probe = os.path.join(path, ".probe-%d" % os.getpid())
+            with open(probe, "w") as handle:
+                handle.write("ok")
+            os.unlink(probe)
+        finally:
+            os.umask(old)
+        mode = os.stat(path).st_mode & 0o777
+        if mode & 0o077:
+            raise RuntimeError("%s is mode %04o; run chmod 700 on it" % (path, mode))
+        return "%s writable, mode %04o" % (path, mode)
+
+    def probe_db():
+        store = ctx.reader
+        if not store.exists:
+            folder = store.directory
+            while not os.path.isdir(folder):
+                folder = os.path.dirname(folder)
+            if not os.access(folder, os.W_OK):
+                raise RuntimeError("no store yet, and %s is not writable" % folder)
+            return "no store yet; %s is writable, so the first pin will make it" % folder
+        with store.guard():
+            store.conn.execute("BEGIN IMMEDIATE")
+            store.conn.execute("ROLLBACK")
+        return "%s opens for writing" % os.path.relpath(store.path, ctx.root)
+
+    check("sqlite", probe_sqlite)
+    check("fts5", probe_fts)
+    check("state-dir", probe_state_dir)
+    check("db-writable", probe_db)
+    return checks
+
+
+def state_dir(root):
+    import hashlib
+    base = os.environ.get("XDG_STATE_HOME") or (
+        os.path.join(os.environ["HOME"], ".local", "state") if os.environ.get("HOME") else None)
+    if not base:
+        raise PinboxError("E_INTERNAL", "cannot locate the state dir: neither XDG_STATE_HOME nor HOME is set",
+                          "set HOME (or XDG_STATE_HOME) and retry")
+    project_id = hashlib.sha256(os.path.realpath(root).encode("utf-8", "surrogateescape")).hexdigest()[:12]
+    return os.path.join(base, "pinbox", project_id)
+
+
+def cmd_doctor(ctx):
+    checks = doctor_checks(ctx)
+    failing = [c for c in checks if not c["ok"]]
+    facts = "\n".join("%s  %s  %s" % ("ok" if c["ok"] else "no", c["name"].ljust(11), c["detail"]) for c in checks)
+    note = "%d checks, %s" % (len(checks), "%d failing" % len(failing) if failing else "all ok")
+    ctx.out.result({"checks": checks}, facts, note)
+    return 1 if failing else 0
+
+
+# ============================================================================
+# CLI: the parser
+# ============================================================================
+
+VERBS = ("init", "pin", "list", "show", "reply", "resolve", "reopen", "summary", "export",
+         "doctor", "serve", "session", "agent")
+HIDDEN_VERBS = ("serve", "session", "agent")
+
+TOP_HELP = """Usage: pinbox [options] <command> [args]
+
+CLI-first feedback loop: pins dropped on a live app, fixed and resolved by agents.
+
+Options:
+  -V, --version                output the version number
+  --json                       machine output: {"ok":true,"data":…} envelope
+  -h, --help                   display help for command
+
+Commands:
+%s
+
+Run `pinbox <command> --help` for a command's options.
+"""
+
+
+def _argparse():
+    import argparse
+    return argparse
+
+
+def build_parser():
+    argparse = _argparse()
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise invalid(_parser_message(message))
+
+    common = Parser(add_help=False)
+    common.add_argument("--json", action="store_true", help='machine output: {"ok":true,"data":…} envelope')
+    parser = Parser(prog="pinbox", add_help=False, allow_abbrev=False)
+    parser.add_argument("-h", "--help", action="store_true")
+    parser.add_argument("-V", "--version", action="store_true")
+    verbs = parser.add_subparsers(dest="verb", parser_class=Parser)
+    summaries = []
+
+    def verb(name, summary, usage_args=""):
+        sub = verbs.add_parser(name, parents=[common], help=summary, description=summary, allow_abbrev=False)
+        if name not in HIDDEN_VERBS:
+            summaries.append(("%s %s" % (name, usage_args)).strip().ljust(29) + summary)
+        return sub
+
+    p = verb("pin", "create a pin from the terminal", "[options] <text>")
+    p.add_argument("text", help="what is wrong (quote it; - reads it from stdin)")
+    p.add_argument("--file", metavar="path[:line]", help="anchor the pin to a source file")
+    p.add_argument("--url", help="the page the pin is about (absolute http(s) URL)")
+    p.add_argument("--selector", help="CSS selector of the element (needs --url)")
+    p.set_defaults(run=cmd_pin)
+
+    verb("summary", "counts and the event cursor, in one call").set_defaults(run=cmd_summary)
+
+    p = verb("list", "list pins, newest first", "[options]")
+    p.add_argument("--status", help="open or resolved")
+    p.add_argument("--search", metavar="text", help="only pins whose text or thread mentions this")
+    p.set_defaults(run=cmd_list)
+
+    p = verb("show", "one pin with its full thread", "<id>")
+    p.add_argument("id")
+    p.set_defaults(run=cmd_show)
+
+    p = verb("reply", "add a thread message to a pin", "[options] <id> <text>")
+    p.add_argument("id")
+    p.add_argument("text", help="the message (quote it; - reads it from stdin)")
+    p.add_argument("--as", dest="role", default="human", help="human (default) or agent")
+    p.set_defaults(run=cmd_reply)
+
+    p = verb("resolve", "mark a pin resolved", "[options] <id>")
+    p.add_argument("id")
+    p.add_argument("--note", help="what was done")
+    p.add_argument("--as", dest="role", default="human", help="human (default) or agent")
+    p.set_defaults(run=cmd_resolve)
+
+    p = verb("reopen", "reject a fix: open a resolved pin again", "[options] <id>")
+    p.add_argument("id")
+    p.add_argument("--note", help="why the fix is not right")
+    p.set_defaults(run=cmd_reopen)
+
+    p = verb("export", "write pins to stdout as markdown or JSON", "[options]")
+    p.add_argument("--format", help="md (default) or json")
+    p.add_argument("--detail", help="compact, standard (default) or forensic")
+    p.add_argument("--status", help="open or resolved")
+    p.set_defaults(run=cmd_export)
+
+    verb("doctor", "find out why a pin did not reach an agent").set_defaults(run=cmd_doctor)
+
+    parser.top_help = TOP_HELP % "\n".join("  " + line for line in summaries)
+    return parser
+
+
+def _parser_message(message):
+    """argparse's wording → the original CLI's, which scripts may match on."""
+    import re
+    m = re.match(r"unrecognized arguments: (\S+)", message)
+    if m:
+        token = m.group(1)
+        return ("unknown option '%s'" % token) if token.startswith("-") else ("unexpected argument '%s'" % token)
+    m = re.match(r"argument (?:verb|command|\{.*\}): invalid choice: '([^']*)'", message)
+    if m:
+        return "unknown command '%s'" % m.group(1)
+    m = re.match(r"the following arguments are required: (.+)", message)
+    if m:
+        return "missing required argument '%s'" % m.group(1).split(",")[0].strip()
+    m = re.match(r"argument (\S+?)(?:/\S+)?: expected one argument", message)
+    if m:
+        return "option '%s <value>' argument missing" % m.group(1)
+    return message
+
+
+def _split_json_flag(argv):
+    """--json may stand anywhere before `--`; it decides the output mode even for
+    errors the parser raises."""
+    if "--" in argv:
+        cut = argv.index("--")
+        head, tail = argv[:cut], argv[cut:]
+    else:
+        head, tail = argv, []
+    return "--json" in head, [a for a in head if a != "--json"] + tail
+
+
+def run(argv=None, cwd=None):
+    """Runs one pinbox command line and returns its exit status. Everything a user can
+    get wrong becomes a PinboxError and so an envelope, never a traceback."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    json_flag, argv = _split_json_flag(argv)
+    out = Output(json_flag or not sys.stdout.isatty(), json_flag)
+    verb = next((a for a in argv if a in VERBS), None)
+    ctx = None
+    try:
+        parser = build_parser()
+        if not argv:
+            raise invalid("no command given", usage_hint(None))
+        args = parser.parse_args(argv)
+        if args.version:
+            write_out(VERSION + "\n")
+            return 0
+        if args.help or args.verb is None:
+            write_out(parser.top_help)
+            return 0
+        ctx = Context(args, out, cwd)
+        return args.run(ctx) or 0
+    except PinboxError as err:
+        if err.code == "E_INVALID_INPUT" and err.hint is None:
+            err.hint = usage_hint(verb)
+        out.error(err)
+        return err.exit_code
+    except KeyboardInterrupt:
+        write_err("pinbox: interrupted\n")
+        return 130
+    except BrokenPipeError:
+        return 0
+    finally:
+        if ctx is not None:
+            ctx.close()
+
+
+def main():
+    # Undecodable bytes in output never crash a command; they print as escapes.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="backslashreplace")
+        except (AttributeError, ValueError):
+            pass
+    sys.exit(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,803 @@
+#!/usr/bin/env python3
+"""Tests for pinbox.py. They drive the real thing: pinbox run as a subprocess, in real
+git repositories in temporary folders, on real SQLite files.
+
+Run: python3 test_pinbox.py   (the last line says "N passed, N failed, N skipped")
+
+Sections follow pinbox.py: constants and errors → store → pins and threads → commit
+trailers → CLI.
+"""
+
+import json
+import os
+import pty
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "pinbox.py")
+sys.path.insert(0, HERE)
+import pinbox  # noqa: E402  (pure helpers are tested in-process too)
+
+# Imports pinbox from its cached bytecode, the way the hook commands run it; the
+# script itself is run directly by the tests that are about the script.
+BOOT = "import sys; sys.path.insert(0, %r); import pinbox; pinbox.main()" % HERE
+PIN_ID = r"^pin_[a-z0-9]{10}$"
+
+
+def git(cwd, *args, env=None):
+    return subprocess.run(["git"] + list(args), cwd=cwd, env=env, check=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE).stdout.decode().strip()
+
+
+class Result:
+    def __init__(self, code, out, err):
+        self.code, self.out, self.err = code, out, err
+
+    @property
+    def json(self):
+        return json.loads(self.out)
+
+    def __repr__(self):
+        return "<exit %s\nstdout: %s\nstderr: %s>" % (self.code, self.out, self.err)
+
+
+class PinboxCase(unittest.TestCase):
+    """A fresh git repository with a known author, and a private HOME and state dir."""
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="pinbox-test-")
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.repo = os.path.join(self.tmp, "repo")
+        os.makedirs(self.repo)
+        self.env = dict(os.environ)
+        for name in list(self.env):
+            if name.startswith(("PINBOX_", "CLAUDE", "CODEX_", "HERMES_", "OPENCLAW_", "GIT_")):
+                del self.env[name]
+        self.env.update(HOME=os.path.join(self.tmp, "home"), XDG_STATE_HOME=os.path.join(self.tmp, "state"),
+                        PINBOX_NO_SPAWN="1", LANG="C.UTF-8", USER="tester")
+        os.makedirs(self.env["HOME"])
+        git(self.repo, "init", "-q", "-b", "main")
+        git(self.repo, "config", "user.email", "pat@example.com")
+        git(self.repo, "config", "user.name", "Pat Tester")
+
+    def run_pinbox(self, *args, stdin=b"", cwd=None, env=None, script=False, timeout=60):
+        command = [sys.executable, SCRIPT] if script else [sys.executable, "-c", BOOT]
+        done = subprocess.run(command + [str(a) for a in args], cwd=cwd or self.repo, env=env or self.env,
+                              input=stdin if isinstance(stdin, bytes) else stdin.encode(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout)
+        return Result(done.returncode, done.stdout.decode("utf-8", "replace"), done.stderr.decode("utf-8", "replace"))
+
+    def ok(self, *args, **kw):
+        """Runs a command that must succeed; returns its envelope's data."""
+        result = self.run_pinbox(*args, **kw)
+        self.assertEqual(result.code, 0, result)
+        envelope = result.json
+        self.assertIs(envelope["ok"], True, result)
+        return envelope["data"]
+
+    def fails(self, code, exit_code, *args, **kw):
+        result = self.run_pinbox(*args, **kw)
+        self.assertEqual(result.code, exit_code, result)
+        envelope = result.json
+        self.assertEqual(envelope["ok"], False)
+        self.assertEqual(envelope["error"]["code"], code)
+        return envelope["error"]
+
+    def human(self, *args, cwd=None):
+        """Runs a command with stdout on a terminal (human mode); stderr is a pipe."""
+        master, slave = pty.openpty()
+        proc = subprocess.Popen([sys.executable, "-c", BOOT] + list(args), cwd=cwd or self.repo, env=self.env,
+                                stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.PIPE)
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                break
+            if not data:
+                break
+            chunks.append(data)
+        err = proc.stderr.read().decode()
+        proc.wait(timeout=30)
+        os.close(master)
+        out = b"".join(chunks).decode().replace("\r\n", "\n")
+        return Result(proc.returncode, out, err)
+
+    def pin(self, text="Save button is clipped", *flags):
+        return self.ok("pin", text, *flags)
+
+    @property
+    def db_path(self):
+        return os.path.join(self.repo, ".pinbox", "pinbox.db")
+
+    def sql(self, query, *params):
+        conn = sqlite3.connect(self.db_path)
+        try:
+            return conn.execute(query, params).fetchall()
+        finally:
+            conn.close()
+
+
+# ============================================================================
+# Constants and errors
+# ============================================================================
+
+class TestIdsAndTimes(unittest.TestCase):
+    def test_ids_have_a_prefix_and_ten_lowercase_alphanumerics(self):
+        ids = {pinbox.new_id("pin") for _ in range(2000)}
+        self.assertEqual(len(ids), 2000)
+        for value in ids:
+            self.assertRegex(value, PIN_ID)
+
+    def test_times_are_javascript_iso_strings(self):
+        self.assertEqual(pinbox.iso_time(0), "1970-01-01T00:00:00.000Z")
+        self.assertEqual(pinbox.iso_time(1764500000.1234), "2025-11-30T10:53:20.123Z")
+        self.assertAlmostEqual(pinbox.parse_iso("2025-11-30T10:53:20.123Z"), 1764500000.123, places=3)
+
+    def test_relative_age_rounds_half_up_like_the_original(self):
+        now = 1000000.0
+        at = pinbox.iso_time
+        self.assertEqual(pinbox.relative_age(at(now - 29), now), "just now")
+        self.assertEqual(pinbox.relative_age(at(now - 30), now), "1m ago")
+        self.assertEqual(pinbox.relative_age(at(now - (2 * 3600 + 54 * 60)), now), "3h ago")
+        self.assertEqual(pinbox.relative_age(at(now - 3 * 86400), now), "3d ago")
+        self.assertEqual(pinbox.relative_age(at(now + 500), now), "just now")
+
+    def test_numeric_settings_fall_back_on_garbage(self):
+        for raw, expected in (("", 600000), ("5000", 5000), ("not-a-number", 600000), ("-3", 600000)):
+            os.environ["PINBOX_TEST_SETTING"] = raw
+            self.assertEqual(pinbox.env_number("PINBOX_TEST_SETTING", 600000), expected)
+        del os.environ["PINBOX_TEST_SETTING"]
+
+
+# ============================================================================
+# Store
+# ============================================================================
+
+class TestStore(PinboxCase):
+    def test_fresh_store_is_wal_at_the_latest_schema_with_every_table(self):
+        self.pin()
+        self.assertEqual(self.sql("PRAGMA journal_mode")[0][0], "wal")
+        self.assertEqual(self.sql("PRAGMA user_version")[0][0], pinbox.SCHEMA_VERSION)
+        names = {r[0] for r in self.sql("SELECT name FROM sqlite_master")}
+        for table in ("events", "pins", "thread_messages", "sessions", "deliveries", "cursors", "pins_fts", "links"):
+            self.assertIn(table, names)
+
+    def test_project_root_is_found_from_a_subfolder(self):
+        first = self.pin()
+        sub = os.path.join(self.repo, "src", "deep")
+        os.makedirs(sub)
+        listed = self.ok("list", cwd=sub)
+        self.assertEqual([p["id"] for p in listed], [first["id"]])
+        self.assertFalse(os.path.exists(os.path.join(sub, ".pinbox")))
+
+    def test_pinbox_dir_setting_moves_the_store(self):
+        elsewhere = os.path.join(self.tmp, "elsewhere")
+        env = dict(self.env, PINBOX_DIR=elsewhere)
+        made = self.ok("pin", "stored elsewhere", env=env)
+        self.assertTrue(os.path.exists(os.path.join(elsewhere, "pinbox.db")))
+        self.assertEqual(self.ok("list"), [])
+        self.assertEqual(self.ok("list", env=env)[0]["id"], made["id"])
+
+    def test_event_log_records_every_change_in_order(self):
+        a = self.pin("first")
+        self.ok("reply", a["id"], "a question")
+        self.ok("resolve", a["id"])
+        self.ok("reopen", a["id"], "--note", "still clipped")
+        rows = self.sql("SELECT seq, type, payload FROM events ORDER BY seq")
+        self.assertEqual([r[1] for r in rows], ["pin.created", "thread.message", "pin.resolved", "pin.verified"])
+        self.assertEqual([r[0] for r in rows], sorted(r[0] for r in rows))
+        self.assertEqual(json.loads(rows[0][2])["id"], a["id"])
+        self.assertEqual(json.loads(rows[3][2])["verification"]["outcome"], "reopened")
+
+    def legacy_db(self, version, with_n_column=False):
+        """A database as the original pinbox left it (tables of `version`, no `n` column)."""
+        os.makedirs(os.path.join(self.repo, ".pinbox"))
+        conn = sqlite3.connect(self.db_path)
+        conn.executescript(";".join(s for s in pinbox.MIGRATIONS[1]))
+        if version >= 2:
+            conn.executescript(";".join(pinbox.MIGRATIONS[2]))
+        pin = {"text": "Legacy avatar pin", "kind": "note", "author": {"userId": "old@example.com"},
+               "id": "pin_legacy0001", "n": 1, "schemaVersion": 1, "status": "open",
+               "createdAt": "2026-01-01T00:00:00.000Z"}
+        conn.execute("INSERT INTO pins(id, status, created_at, json) VALUES (?,?,?,?)",
+                     (pin["id"], "open", pin["createdAt"], json.dumps(pin)))
+        message = {"id": "msg_legacy0001", "pinId": pin["id"], "role": "human", "text": "zebra stripes",
+                   "at": "2026-01-01T00:01:00.000Z"}
+        conn.execute("INSERT INTO thread_messages(id, pin_id, at, json) VALUES (?,?,?,?)",
+                     (message["id"], pin["id"], message["at"], json.dumps(message)))
+        conn.execute("INSERT INTO events(type, at, payload) VALUES ('pin.created', ?, ?)",
+                     (pin["createdAt"], json.dumps(pin)))
+        conn.execute("PRAGMA user_version = %d" % version)
+        conn.commit()
+        conn.close()
+        return pin
+
+    def test_migrating_a_version_0_database_keeps_rows_and_indexes_them(self):
+        old = self.legacy_db(0)
+        listed = self.ok("list")
+        self.assertEqual([p["id"] for p in listed], [old["id"]])
+        self.assertEqual(self.ok("list", "--search", "avatar")[0]["id"], old["id"])
+        self.assertEqual(self.ok("list", "--search", "zebra")[0]["id"], old["id"])
+        self.assertEqual(self.sql("PRAGMA user_version")[0][0], pinbox.SCHEMA_VERSION)
+        self.assertEqual(self.ok("show", old["id"])["thread"][0]["text"], "zebra stripes")
+        # Numbering carries on after the legacy pin's number.
+        self.assertEqual(self.pin("new one")["n"], 2)
+
+    def test_migrating_an_original_version_4_database_keeps_every_row(self):
+        self.legacy_db(2)
+        conn = sqlite3.connect(self.db_path)
+        conn.executescript(";".join(pinbox.MIGRATIONS[3][:1] + [pinbox.MIGRATIONS[3][1][1:]] + pinbox.MIGRATIONS[4]))
+        conn.execute("INSERT INTO sessions VALUES ('ses_legacy0001','claude','k1','/tmp','2026-01-01T00:00:00.000Z',"
+                     "'2026-01-01T00:00:00.000Z',NULL,'{}')")
+        conn.execute("PRAGMA user_version = 4")
+        conn.commit()
+        conn.close()
+        counts_before = {t: self.sql("SELECT COUNT(*) FROM %s" % t)[0][0]
+                         for t in ("pins", "thread_messages", "events", "sessions")}
+        self.assertEqual(self.ok("summary")["sessions"], 1)
+        counts_after = {t: self.sql("SELECT COUNT(*) FROM %s" % t)[0][0] for t in counts_before}
+        self.assertEqual(counts_before, counts_after)
+        self.assertEqual(self.sql("SELECT n FROM pins WHERE id = 'pin_legacy0001'"), [(1,)])
+        self.assertEqual(self.sql("PRAGMA user_version")[0][0], pinbox.SCHEMA_VERSION)
+
+    def test_a_file_that_is_not_sqlite_is_reported_and_left_alone(self):
+        os.makedirs(os.path.join(self.repo, ".pinbox"))
+        garbage = b"this is not a database\n" * 200
+        with open(self.db_path, "wb") as handle:
+            handle.write(garbage)
+        for args in (("list",), ("pin", "x"), ("summary",)):
+            error = self.fails("E_INTERNAL", 1, *args)
+            self.assertIn(self.db_path, error["hint"])
+        with open(self.db_path, "rb") as handle:
+            self.assertEqual(handle.read(), garbage)
+        result = self.human("list")
+        self.assertEqual(result.code, 1)
+        self.assertNotIn("Traceback", result.err)
+        self.assertIn(self.db_path, result.err)
+
+    def test_a_truncated_database_is_reported_and_left_alone(self):
+        for i in range(60):
+            self.ok("pin", "pin number %d " % i + "x" * 400)
+        self.ok("list")  # WAL is checkpointed into the main file on the last close
+        with open(self.db_path, "rb") as handle:
+            whole = handle.read()
+        cut = whole[: len(whole) // 3]
+        for suffix in ("-wal", "-shm"):
+            if os.path.exists(self.db_path + suffix):
+                os.unlink(self.db_path + suffix)
+        with open(self.db_path, "wb") as handle:
+            handle.write(cut)
+        for args in (("list",), ("pin", "after the damage")):
+            error = self.fails("E_INTERNAL", 1, *args)
+            self.assertIn(self.db_path, error["hint"])
+        with open(self.db_path, "rb") as handle:
+            self.assertEqual(handle.read(), cut)
+
+    def test_search_works_without_fts5(self):
+        """A SQLite built without FTS5 (simulated: every fts5 statement is refused)."""
+        wrapper = (
+            "import sqlite3, sys\n"
+            "class NoFts(sqlite3.Connection):\n"
+            "    def execute(self, sql, *a):\n"
+            "        if 'fts5' in sql or 'MATCH' in sql:\n"
+            "            raise sqlite3.OperationalError('no such module: fts5')\n"
+            "        return super().execute(sql, *a)\n"
+            "real = sqlite3.connect\n"
+            "sqlite3.connect = lambda *a, **k: real(*a, factory=NoFts, **k)\n"
+            + BOOT)
+        env = dict(self.env)
+
+        def run(*args):
+            done = subprocess.run([sys.executable, "-c", wrapper] + list(args), cwd=self.repo, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            self.assertEqual(done.returncode, 0, done.stderr)
+            return json.loads(done.stdout)["data"]
+
+        a = run("pin", "The Avatar image is blurry")
+        b = run("pin", "Footer overlaps")
+        run("reply", b["id"], "also the zebra icon")
+        self.assertNotIn("pins_fts", {r[0] for r in self.sql("SELECT name FROM sqlite_master")})
+        self.assertEqual([p["id"] for p in run("list", "--search", "avatar")], [a["id"]])
+        self.assertEqual([p["id"] for p in run("list", "--search", "ZEBRA")], [b["id"]])
+        self.assertEqual(run("list", "--search", "nothing like this"), [])
+        fts = [c for c in run("doctor")["checks"] if c["name"] == "fts5"][0]
+        self.assertIn("search scans instead", fts["detail"])
+
+    def test_eight_processes_creating_pins_at_once_get_unique_gapless_numbers(self):
+        self.pin("warm up the store")  # the schema exists before the race starts
+        worker = ("import sys, io, contextlib; sys.path.insert(0, %r); import pinbox\n"
+                  "codes = []\n"
+                  "for i in range(100):\n"
+                  "    with contextlib.redirect_stdout(io.StringIO()):\n"
+                  "        codes.append(pinbox.run(['pin', 'race %%s-%%d' %% (sys.argv[1], i), '--json']))\n"
+                  "sys.exit(max(codes))\n" % HERE)
+        procs = [subprocess.Popen([sys.executable, "-c", worker, str(w)], cwd=self.repo, env=self.env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for w in range(8)]
+        outputs = [p.communicate(timeout=120) for p in procs]
+        for proc, (out, err) in zip(procs, outputs):
+            self.assertEqual(proc.returncode, 0, err)
+            self.assertNotIn(b"locked", out + err)
+        rows = self.sql("SELECT id, n FROM pins")
+        self.assertEqual(len(rows), 801)
+        self.assertEqual(len({r[0] for r in rows}), 801)
+        self.assertEqual(sorted(r[1] for r in rows), list(range(1, 802)))
+        self.assertEqual(self.sql("SELECT COUNT(*) FROM events WHERE type = 'pin.created'")[0][0], 801)
+        self.assertEqual(self.sql("PRAGMA integrity_check")[0][0], "ok")
+
+
+# ============================================================================
+# Pins and threads
+# ============================================================================
+
+class TestPins(PinboxCase):
+    def test_pin_json_has_the_original_shape(self):
+        head = git_commit(self.repo)
+        pin = self.pin("Save button is clipped", "--url", "http://localhost:3000/", "--selector", "#save")
+        self.assertEqual(list(pin), ["text", "kind", "target", "env", "author", "id", "n", "schemaVersion",
+                                     "status", "createdAt"])
+        self.assertEqual(pin["target"], {"url": "http://localhost:3000/", "selector": "#save"})
+        self.assertEqual(pin["env"], {"branch": "main", "commit": head})
+        self.assertEqual(pin["author"], {"userId": "pat@example.com", "name": "Pat Tester", "email": "pat@example.com"})
+        self.assertRegex(pin["id"], PIN_ID)
+        self.assertEqual((pin["n"], pin["schemaVersion"], pin["status"], pin["kind"]), (1, 1, "open", "note"))
+        self.assertRegex(pin["createdAt"], r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+
+    def test_pin_builds_only_the_target_it_was_given(self):
+        bare = self.pin("no target at all")
+        self.assertNotIn("target", bare)
+        self.assertEqual(bare["env"], {})  # no commit yet: nothing to stamp
+        os.makedirs(os.path.join(self.repo, "src"))
+        with open(os.path.join(self.repo, "src", "app.tsx"), "w") as handle:
+            handle.write("x\n")
+        with_line = self.pin("typo", "--file", "src/app.tsx:42")
+        self.assertEqual(with_line["target"], {"source": {"file": "src/app.tsx", "line": 42, "via": "none"}})
+        without = self.pin("typo", "--file", "src/app.tsx")
+        self.assertEqual(without["target"], {"source": {"file": "src/app.tsx", "via": "none"}})
+        from_sub = self.ok("pin", "typo", "--file", "../src/app.tsx:7", cwd=os.path.join(self.repo, "src"))
+        self.assertEqual(from_sub["target"]["source"], {"file": "src/app.tsx", "line": 7, "via": "none"})
+        odd = os.path.join(self.repo, "src", "a#b?c%d.txt")
+        with open(odd, "w") as handle:
+            handle.write("x")
+        self.assertEqual(self.pin("odd", "--file", "src/a#b?c%d.txt:3")["target"]["source"]["file"], "src/a#b?c%d.txt")
+        url_only = self.pin("page", "--url", "https://example.com/a?b=1")
+        self.assertEqual(url_only["target"], {"url": "https://example.com/a?b=1"})
+
+    def test_author_falls_back_to_user_when_git_has_none(self):
+        plain = os.path.join(self.tmp, "plain")
+        os.makedirs(plain)
+        env = dict(self.env, GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_NOSYSTEM="1")
+        pin = self.ok("pin", "outside git", cwd=plain, env=env)
+        self.assertEqual(pin["author"], {"userId": "tester"})
+        self.assertTrue(os.path.isdir(os.path.join(plain, ".pinbox")))
+
+    def test_bad_pin_input_gets_the_original_errors(self):
+        os.makedirs(os.path.join(self.repo, "adir"))
+        cases = [
+            (("pin", ""), "pin text must not be empty", 'quote the text: pinbox pin "your text"'),
+            (("pin", "   \n "), "pin text must not be empty", 'quote the text: pinbox pin "your text"'),
+            (("pin", "x", "--selector", "#a"), "--selector needs --url (a selector without a page is not a target)",
+             "run `pinbox pin --help` for usage"),
+            (("pin", "x", "--url", "localhost:3000"), 'invalid --url: "localhost:3000" (expected an absolute URL)',
+             "run `pinbox pin --help` for usage"),
+            (("pin", "x", "--url", "ftp://example.com/"), 'invalid --url: "ftp://example.com/" (expected an absolute URL)',
+             "run `pinbox pin --help` for usage"),
+            (("pin", "x", "--file", "missing.txt:3"), 'no such file: "missing.txt"',
+             "--file takes a path that exists, optionally with :line"),
+            (("pin", "x", "--file", "adir"), 'no such file: "adir"',
+             "--file takes a path that exists, optionally with :line"),
+        ]
+        for args, message, hint in cases:
+            error = self.fails("E_INVALID_INPUT", 2, *args)
+            self.assertEqual(error, {"code": "E_INVALID_INPUT", "message": message, "hint": hint}, args)
+        self.assertFalse(os.path.exists(self.db_path) and self.sql("SELECT COUNT(*) FROM pins")[0][0])
+
+    def test_text_over_64_kib_is_refused_and_nothing_is_stored(self):
+        self.pin("keep me")
+        big = "x" * (64 * 1024 + 1)
+        error = self.fails("E_INVALID_INPUT", 2, "pin", "-", stdin=big)
+        self.assertIn("65536", error["message"])
+        exactly = self.ok("pin", "-", stdin="y" * (64 * 1024))
+        self.assertEqual(len(exactly["text"]), 64 * 1024)
+        target = exactly["id"]
+        self.fails("E_INVALID_INPUT", 2, "reply", target, "-", stdin="z" * (64 * 1024 + 1))
+        self.assertEqual(self.sql("SELECT COUNT(*) FROM pins")[0][0], 2)
+        self.assertEqual(self.sql("SELECT COUNT(*) FROM thread_messages")[0][0], 0)
+
+    def test_non_utf8_arguments_and_stdin_are_refused_cleanly(self):
+        bad = b"caf\xe9 menu"
+        done = subprocess.run([sys.executable.encode(), b"-c", BOOT.encode(), b"pin", bad], cwd=self.repo,
+                              env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.assertEqual(done.returncode, 2, done.stderr)
+        self.assertEqual(json.loads(done.stdout)["error"]["code"], "E_INVALID_INPUT")
+        self.assertNotIn(b"Traceback", done.stderr)
+        error = self.fails("E_INVALID_INPUT", 2, "pin", "-", stdin=b"\xff\xfe broken")
+        self.assertIn("UTF-8", error["message"])
+        multi = self.ok("pin", "-", stdin="line one\n“quoted” $HOME `x` \\ ünïcode\n".encode())
+        self.assertEqual(multi["text"], "line one\n“quoted” $HOME `x` \\ ünïcode")
+
+    def test_numbers_never_repeat_and_resolving_frees_none(self):
+        a, b = self.pin("a"), self.pin("b")
+        self.ok("resolve", a["id"])
+        c = self.pin("c")
+        self.assertEqual((a["n"], b["n"], c["n"]), (1, 2, 3))
+
+    def test_reply_and_thread(self):
+        pin = self.pin()
+        message = self.ok("reply", pin["id"], "which viewport?", "--as", "agent")
+        self.assertRegex(message["id"], r"^msg_[a-z0-9]{10}$")
+        self.assertEqual({k: message[k] for k in ("pinId", "role", "text")},
+                         {"pinId": pin["id"], "role": "agent", "text": "which viewport?"})
+        self.assertEqual(list(message), ["id", "pinId", "role", "text", "at"])
+        human = self.ok("reply", pin["id"], "mobile")
+        self.assertEqual(human["role"], "human")
+        shown = self.ok("show", pin["id"])
+        self.assertEqual([m["id"] for m in shown["thread"]], [message["id"], human["id"]])
+        self.assertEqual(shown["pin"]["status"], "open")  # a reply never changes status
+
+    def test_bad_replies(self):
+        pin = self.pin()
+        self.assertEqual(self.fails("E_INVALID_INPUT", 2, "reply", pin["id"], ""),
+                         {"code": "E_INVALID_INPUT", "message": "reply text must not be empty",
+                          "hint": 'quote the message: pinbox reply <id> "your text"'})
+        self.fails("E_INVALID_INPUT", 2, "reply", pin["id"], "   ")
+        self.assertEqual(self.fails("E_INVALID_INPUT", 2, "reply", pin["id"], "x", "--as", "robot"),
+                         {"code": "E_INVALID_INPUT", "message": 'invalid --as: "robot" (expected human or agent)',
+                          "hint": "run `pinbox reply --help` for usage"})
+        self.assertEqual(self.sql("SELECT COUNT(*) FROM thread_messages")[0][0], 0)
+
+    def test_resolve_then_conflict(self):
+        pin = self.pin()
+        resolved = self.ok("resolve", pin["id"], "--note", "padding fixed", "--as", "agent")
+        self.assertEqual(resolved["status"], "resolved")
+        self.assertEqual(list(resolved["resolution"]), ["by", "note", "at"])
+        self.assertEqual(resolved["resolution"]["by"], "agent")
+        self.assertEqual(resolved["resolution"]["note"], "padding fixed")
+        again = self.run_pinbox("resolve", pin["id"])
+        self.assertEqual(again.code, 4)
+        self.assertEqual(again.out, json.dumps({"ok": False, "error": {
+            "code": "E_CONFLICT", "message": "%s is already resolved" % pin["id"],
+            "hint": "run `pinbox show %s` to see who resolved it and why" % pin["id"]}}, indent=2,
+            ensure_ascii=False) + "\n")
+
+    def test_unknown_ids_are_not_found_and_prefixes_do_not_match(self):
+        pin = self.pin()
+        for args in (("show", "pin_0000000000"), ("show", pin["id"][:8]), ("resolve", "nope"),
+                     ("reply", "nope", "x"), ("reopen", "pin_0000000000")):
+            result = self.run_pinbox(*args)
+            self.assertEqual(result.code, 3, args)
+            self.assertEqual(result.json, {"ok": False, "error": {
+                "code": "E_NOT_FOUND", "message": "no pin with id %s" % args[1],
+                "hint": "run `pinbox list` to see valid ids (full ids only — prefixes don't match)"}})
+        self.assertEqual(self.ok("show", pin["id"].upper())["pin"]["id"], pin["id"])
+
+    def test_reopen_rejects_a_fix_and_a_new_resolution_starts_fresh(self):
+        pin = self.pin()
+        self.fails("E_CONFLICT", 4, "reopen", pin["id"])
+        self.ok("resolve", pin["id"], "--as", "agent")
+        reopened = self.ok("reopen", pin["id"], "--note", "still clipped on mobile")
+        self.assertEqual(reopened["status"], "open")
+        self.assertEqual(reopened["verification"]["outcome"], "reopened")
+        self.assertEqual(reopened["verification"]["note"], "still clipped on mobile")
+        again = self.ok("resolve", pin["id"], "--as", "agent")
+        self.assertNotIn("verification", again)
+        self.assertEqual(self.ok("summary")["resolved"], 1)
+
+    def test_list_filters_by_status_and_search(self):
+        a = self.pin("The avatar image is blurry")
+        b = self.pin("Footer overlaps the button")
+        c = self.pin("Header wraps")
+        self.ok("reply", c["id"], "also the avatar there")
+        self.ok("resolve", b["id"])
+        self.assertEqual([p["id"] for p in self.ok("list")], [c["id"], b["id"], a["id"]])
+        self.assertEqual([p["id"] for p in self.ok("list", "--status", "open")], [c["id"], a["id"]])
+        self.assertEqual([p["id"] for p in self.ok("list", "--status", "resolved")], [b["id"]])
+        self.assertEqual([p["id"] for p in self.ok("list", "--search", "avatar")], [c["id"], a["id"]])
+        self.assertEqual([p["id"] for p in self.ok("list", "--search", "butt")], [b["id"]])
+        self.assertEqual([p["id"] for p in self.ok("list", "--search", "avatar", "--status", "open")], [c["id"], a["id"]])
+        self.assertEqual(self.ok("list", "--search", 'quote " and ? and * ('), [])
+        self.assertEqual(self.ok("list", "--search", "zebra"), [])
+        self.assertEqual(self.fails("E_INVALID_INPUT", 2, "list", "--status", "closed"),
+                         {"code": "E_INVALID_INPUT", "message": 'invalid --status: "closed" (expected open or resolved)',
+                          "hint": "run `pinbox list --help` for usage"})
+
+    def test_summary_counts(self):
+        self.assertEqual(self.ok("summary"), {"open": 0, "resolved": 0, "lastEventSeq": 0, "sessions": 0,
+                                              "connectedToolbars": 0})
+        a = self.pin("a")
+        self.pin("b")
+        self.ok("resolve", a["id"])
+        self.assertEqual(self.ok("summary"), {"open": 1, "resolved": 1, "lastEventSeq": 3, "sessions": 0,
+                                              "connectedToolbars": 0})
+
+
+def git_commit(repo, message="initial", filename="README.md"):
+    with open(os.path.join(repo, filename), "a") as handle:
+        handle.write("line\n")
+    git(repo, "add", filename)
+    git(repo, "commit", "-q", "-m", message)
+    return git(repo, "rev-parse", "HEAD")
+
+
+# ============================================================================
+# CLI: human renderings, export, the output contract
+# ============================================================================
+
+class TestHumanOutput(PinboxCase):
+    def test_pin_list_show_summary_render_like_the_original(self):
+        head = git_commit(self.repo)
+        r = self.human("pin", "Save button is clipped", "--url", "http://localhost:3000/", "--selector", "#save")
+        self.assertEqual(r.code, 0, r)
+        pin_id = r.out.strip()
+        self.assertRegex(pin_id, PIN_ID)
+        self.assertEqual(r.err, "pinned to http://localhost:3000/\n")
+        with open(os.path.join(self.repo, "README.md"), "a") as handle:
+            handle.write("x\n")
+        r = self.human("pin", "Typo in footer: Copywright", "--file", "README.md:1")
+        self.assertEqual(r.err, "pinned to README.md:1\n")
+        typo = r.out.strip()
+        self.assertEqual(self.human("pin", "bare").err, "pinned\n")
+        bare = self.ok("list")[0]["id"]
+
+        r = self.human("list", "--status", "open")
+        self.assertEqual(r.out, "%s  open  just now  —            bare\n"
+                                "%s  open  just now  README.md:1  Typo in footer: Copywright\n"
+                                "%s  open  just now  #save        Save button is clipped\n" % (bare, typo, pin_id))
+        self.assertEqual(r.err, "3 pins (3 open)\n")
+        self.human("resolve", bare)
+        r = self.human("list")
+        self.assertEqual(r.out.splitlines()[0], "%s  resolved  just now  —            bare" % bare)
+        self.assertEqual(r.err, "3 pins (2 open, 1 resolved)\n")
+        self.assertEqual(self.human("list", "--search", "Copywright").err, "1 pin (1 open)\n")
+        r = self.human("list", "--search", "nothing")
+        self.assertEqual((r.out, r.err), ("", "0 pins\n"))
+
+        r = self.human("show", pin_id)
+        created = self.ok("show", pin_id)["pin"]["createdAt"]
+        self.assertEqual(r.out, "%s  open  note\n"
+                                "text      Save button is clipped\n"
+                                "target    #save\n"
+                                "url       http://localhost:3000/\n"
+                                "git       main @ %s\n"
+                                "author    pat@example.com\n"
+                                "created   %s (just now)\n" % (pin_id, head[:7], created))
+        self.assertNotIn("undefined", r.out)
+
+        r = self.human("reply", pin_id, "hi", "--as", "agent")
+        self.assertRegex(r.out.strip(), r"^msg_[a-z0-9]{10}$")
+        self.assertEqual(r.err, "replied to %s as agent\n" % pin_id)
+        self.human("reply", pin_id, "thanks")
+        r = self.human("resolve", pin_id, "--note", "padding fixed")
+        self.assertEqual((r.out, r.err), ("%s resolved\n" % pin_id, "by human — padding fixed\n"))
+        r = self.human("show", pin_id)
+        lines = r.out.splitlines()
+        self.assertEqual(lines[0], "%s  resolved  note" % pin_id)
+        self.assertIn("resolved  by human, just now — padding fixed", lines)
+        self.assertEqual(lines[-3:], ["", "agent  just now  hi", "human  just now  thanks"])
+
+        r = self.human("summary")
+        self.assertEqual(r.out, "open        1\nresolved    2\nsessions    0\nlast event  #7\n")
+        r = self.human("show", typo)
+        self.assertIn("source    README.md:1\n", r.out)
+
+    def test_human_errors_go_to_stderr_with_the_hint(self):
+        pin = self.pin()
+        self.ok("resolve", pin["id"])
+        r = self.human("resolve", pin["id"])
+        self.assertEqual((r.code, r.out), (4, ""))
+        self.assertEqual(r.err, "pinbox: %s is already resolved\nrun `pinbox show %s` to see who resolved it and why\n"
+                         % (pin["id"], pin["id"]))
+        r = self.human("show", "pin_doesnotexist")
+        self.assertEqual((r.code, r.err), (3, "pinbox: no pin with id pin_doesnotexist\n"
+                                              "run `pinbox list` to see valid ids (full ids only — prefixes don't match)\n"))
+        r = self.human("frobnicate")
+        self.assertEqual((r.code, r.err), (2, "pinbox: unknown command 'frobnicate'\nrun `pinbox --help` for usage\n"))
+        r = self.human("pin", "")
+        self.assertEqual((r.code, r.err), (2, 'pinbox: pin text must not be empty\nquote the text: pinbox pin "your text"\n'))
+        r = self.human()
+        self.assertEqual(r.code, 2)
+        self.assertIn("run `pinbox --help` for usage", r.err)
+
+    def test_reopen_renders(self):
+        pin = self.pin()
+        self.ok("resolve", pin["id"])
+        r = self.human("reopen", pin["id"], "--note", "still broken")
+        self.assertEqual((r.out, r.err), ("%s reopened\n" % pin["id"], "by human — still broken\n"))
+        self.assertIn("verified  reopened, just now — still broken", self.human("show", pin["id"]).out)
+
+
+class TestExport(PinboxCase):
+    def store_pin(self, pin):
+        """Writes a browser pin as the hub would receive it (fields the CLI cannot set)."""
+        conn = sqlite3.connect(self.db_path)
+        n = conn.execute("SELECT COALESCE(MAX(n),0)+1 FROM pins").fetchone()[0]
+        pin = dict(pin, n=n, schemaVersion=1, status=pin.get("status", "open"),
+                   createdAt="2026-11-30T12:00:%02d.000Z" % n)
+        conn.execute("INSERT INTO pins(id, status, created_at, json, n) VALUES (?,?,?,?,?)",
+                     (pin["id"], pin["status"], pin["createdAt"], json.dumps(pin), n))
+        conn.commit()
+        conn.close()
+        return pin
+
+    def setUp(self):
+        super().setUp()
+        pinbox.Store(os.path.join(self.repo, ".pinbox")).close()  # an empty store at the latest schema
+        self.browser = self.store_pin({
+            "text": "CTA too low", "kind": "note",
+            "target": {"url": "http://localhost:5173/", "selector": "main > button.cta", "tag": "button",
+                       "rect": {"x": 10, "y": 20.5, "width": 120, "height": 40},
+                       "context": {"classes": ["cta"], "nearbyText": "Buy now"},
+                       "targets": [{"selector": "main > button.cta:nth-of-type(2)"}, {"tag": "button"}, {}]},
+            "env": {"viewport": {"w": 1280, "h": 800, "dpr": 2}, "browser": "Chrome 156", "os": "Linux",
+                    "colorScheme": "dark"},
+            "author": {"userId": "c1"}, "id": "pin_browser001"})
+        self.terminal = self.store_pin({
+            "text": "Typo", "kind": "note", "target": {"source": {"file": "src/app.tsx", "line": 42, "via": "none"}},
+            "env": {"branch": "main", "commit": "9c2f1b8"}, "author": {"userId": "pat"}, "id": "pin_terminal01"})
+        self.bare = self.store_pin({"text": "Bare", "kind": "note", "env": {}, "author": {"userId": "pat"},
+                                    "id": "pin_bare000001"})
+
+    def test_compact_standard_forensic(self):
+        self.assertEqual(self.run_pinbox("export", "--detail", "compact").out,
+                         "- [open] Bare (pin_bare000001)\n"
+                         "- [open] src/app.tsx:42 — Typo (pin_terminal01)\n"
+                         "- [open] main > button.cta (+main > button.cta:nth-of-type(2), button) — CTA too low "
+                         "(pin_browser001)\n")
+        self.assertEqual(self.run_pinbox("export").out,
+                         "- [open] Bare (pin_bare000001)\n"
+                         "- [open] src/app.tsx:42 — Typo (pin_terminal01)\n"
+                         "  - source: src/app.tsx:42\n"
+                         "- [open] main > button.cta (+main > button.cta:nth-of-type(2), button) — CTA too low "
+                         "(pin_browser001)\n"
+                         "  - url: http://localhost:5173/\n"
+                         "  - rect: 10,20.5 120x40\n"
+                         '  - nearby: "Buy now"\n')
+        forensic = self.run_pinbox("export", "--detail", "forensic").out
+        self.assertIn("  - source: src/app.tsx:42\n\n  ```json\n"
+                      '  { "env": { "branch": "main", "commit": "9c2f1b8" } }\n  ```\n', forensic)
+        self.assertIn('  ```json\n  {\n    "context": { "classes": ["cta"], "nearbyText": "Buy now" },\n'
+                      '    "env": {\n      "viewport": { "w": 1280, "h": 800, "dpr": 2 },\n'
+                      '      "browser": "Chrome 156",\n      "os": "Linux",\n      "colorScheme": "dark"\n'
+                      "    }\n  }\n  ```", forensic)
+        self.assertTrue(forensic.startswith("- [open] Bare (pin_bare000001)\n- [open] src"))  # no fence for env {}
+
+    def test_json_format_and_status_filter(self):
+        self.ok("resolve", "pin_bare000001")
+        data = self.ok("export", "--format", "json")
+        self.assertEqual([p["id"] for p in data], ["pin_bare000001", "pin_terminal01", "pin_browser001"])
+        self.assertEqual([p["id"] for p in self.ok("export", "--json", "--status", "resolved")], ["pin_bare000001"])
+        self.assertEqual(self.run_pinbox("export", "--status", "resolved", "--detail", "compact").out,
+                         "- [resolved] Bare (pin_bare000001)\n")
+
+    def test_bad_detail_is_a_human_error_in_md_and_an_envelope_in_json(self):
+        r = self.run_pinbox("export", "--detail", "full")
+        self.assertEqual((r.code, r.out), (2, ""))
+        self.assertEqual(r.err, 'pinbox: invalid --detail: "full" (expected compact, standard, or forensic)\n'
+                                "run `pinbox export --help` for usage\n")
+        error = self.fails("E_INVALID_INPUT", 2, "export", "--format", "json", "--detail", "full")
+        self.assertEqual(error["message"], 'invalid --detail: "full" (expected compact, standard, or forensic)')
+        self.assertEqual(self.fails("E_INVALID_INPUT", 2, "export", "--format", "xml", "--json")["message"],
+                         'invalid --format: "xml" (expected md or json)')
+
+    def test_empty_export_prints_nothing(self):
+        r = self.run_pinbox("export", "--status", "resolved")
+        self.assertEqual((r.code, r.out), (0, ""))
+
+
+class TestCommandLine(PinboxCase):
+    def test_parser_errors_are_envelopes_with_the_verbs_hint(self):
+        self.assertEqual(self.run_pinbox("doctor", "--fix", "--json").json, {"ok": False, "error": {
+            "code": "E_INVALID_INPUT", "message": "unknown option '--fix'", "hint": "run `pinbox doctor --help` for usage"}})
+        self.assertEqual(self.fails("E_INVALID_INPUT", 2, "show")["message"], "missing required argument 'id'")
+        self.assertEqual(self.fails("E_INVALID_INPUT", 2, "list", "--status")["message"],
+                         "option '--status <value>' argument missing")
+        self.assertEqual(self.fails("E_INVALID_INPUT", 2, "show", "a", "b")["message"], "unexpected argument 'b'")
+        # Abbreviated options are not guessed.
+        self.assertEqual(self.fails("E_INVALID_INPUT", 2, "list", "--stat", "open")["message"], "unknown option '--stat'")
+
+    def test_help_and_version(self):
+        top = self.human("--help")
+        self.assertEqual(top.code, 0)
+        for verb in ("pin", "list", "show", "reply", "resolve", "reopen", "summary", "export", "doctor"):
+            self.assertIn("  " + verb + " ", top.out)
+            r = self.run_pinbox(verb, "--help")
+            self.assertEqual(r.code, 0, r)
+            self.assertIn("usage: pinbox " + verb, r.out)
+            self.assertIn("--json", r.out)
+        self.assertNotIn("session", top.out)
+        self.assertNotIn("serve", top.out)
+        self.assertEqual(self.run_pinbox("--version").out, pinbox.VERSION + "\n")
+        self.assertEqual(self.run_pinbox("-V").out, pinbox.VERSION + "\n")
+
+    def test_json_flag_forces_the_envelope_on_a_terminal(self):
+        pin = self.pin()
+        r = self.human("show", pin["id"], "--json")
+        self.assertEqual(json.loads(r.out)["data"]["pin"]["id"], pin["id"])
+
+    def test_the_script_runs_directly_and_imports_without_side_effects(self):
+        r = self.run_pinbox("list", script=True)
+        self.assertEqual((r.code, r.json), (0, {"ok": True, "data": []}))
+        self.assertFalse(os.path.exists(os.path.join(self.repo, ".pinbox")))  # reading made no store
+        self.assertTrue(os.access(SCRIPT, os.X_OK))
+        with open(SCRIPT) as handle:
+            self.assertEqual(handle.readline(), "#!/usr/bin/env python3\n")
+        done = subprocess.run([SCRIPT, "--version"], stdout=subprocess.PIPE, env=self.env, cwd=self.repo)
+        self.assertEqual(done.stdout.decode().strip(), pinbox.VERSION)
+        quiet = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, %r); import pinbox" % HERE],
+                               cwd=self.repo, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.assertEqual((quiet.returncode, quiet.stdout, quiet.stderr), (0, b"", b""))
+        self.assertFalse(os.path.exists(os.path.join(self.repo, ".pinbox")))
+
+    def test_zipapp_of_the_module_runs_list(self):
+        pin = self.pin("inside a zipapp")
+        build = os.path.join(self.tmp, "zipsrc")
+        os.makedirs(build)
+        shutil.copy(SCRIPT, os.path.join(build, "pinbox.py"))
+        target = os.path.join(self.tmp, "pinbox.pyz")
+        subprocess.run([sys.executable, "-m", "zipapp", build, "-m", "pinbox:main", "-o", target], check=True)
+        done = subprocess.run([sys.executable, target, "list"], cwd=self.repo, env=self.env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertEqual([p["id"] for p in json.loads(done.stdout)["data"]], [pin["id"]])
+        missing = subprocess.run([sys.executable, target, "show", "pin_0000000000"], cwd=self.repo, env=self.env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.assertEqual(missing.returncode, 3)
+
+    def test_doctor_reports_the_store_and_state_dir(self):
+        data = self.ok("doctor")
+        names = [c["name"] for c in data["checks"]]
+        self.assertEqual(names[:4], ["sqlite", "fts5", "state-dir", "db-writable"])
+        self.assertTrue(all(c["ok"] for c in data["checks"]), data)
+        state = [c for c in data["checks"] if c["name"] == "state-dir"][0]
+        self.assertIn("mode 0700", state["detail"])
+        self.assertFalse(os.path.exists(os.path.join(self.repo, ".pinbox")))  # doctor only reads
+        self.pin()
+        db = [c for c in self.ok("doctor")["checks"] if c["name"] == "db-writable"][0]
+        self.assertEqual(db, {"name": "db-writable", "ok": True, "detail": ".pinbox/pinbox.db opens for writing"})
+        self.assertEqual(self.sql("SELECT COUNT(*) FROM pins")[0][0], 1)  # and leaves no pin behind
+        os.chmod(self.env["XDG_STATE_HOME"], 0o755)
+        state_dirs = [os.path.join(root, d) for root, dirs, _ in os.walk(self.env["XDG_STATE_HOME"]) for d in dirs]
+        os.chmod(state_dirs[-1], 0o755)
+        r = self.run_pinbox("doctor")
+        self.assertEqual(r.code, 1)
+        self.assertFalse([c for c in r.json["data"]["checks"] if c["name"] == "state-dir"][0]["ok"])
+
+
+# ============================================================================
+# Runner: prints "N passed, N failed, N skipped" last, for CI.
+# ============================================================================
+
+class CountingResult(unittest.TextTestResult):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.passed = 0
+
+    def addSuccess(self, test):
+        super().addSuccess(test)
+        self.passed += 1
+
+
+def main():
+    started = time.time()
+    suite = unittest.defaultTestLoader.loadTestsFromModule(sys.modules[__name__])
+    if len(sys.argv) > 1:
+        suite = unittest.defaultTestLoader.loadTestsFromNames(sys.argv[1:], sys.modules[__name__])
+    runner = unittest.TextTestRunner(resultclass=CountingResult, verbosity=2, stream=sys.stdout)
+    result = runner.run(suite)
+    for test, reason in result.skipped:
+        print("skipped %s: %s" % (test.id(), reason))
+    failed = len(result.failures) + len(result.errors) + len(result.unexpectedSuccesses)
+    print("suite took %.1f s" % (time.time() - started))
+    print("%d passed, %d failed, %d skipped" % (result.passed, failed, len(result.skipped)))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
