@@ -117,6 +117,19 @@ def env_number(name, default):
     return value if value > 0 else default
 
 
+def git_output(args, cwd):
+    """stdout of a git command, or None when git is missing or fails."""
+    import subprocess
+    try:
+        done = subprocess.run(["git"] + args, cwd=cwd, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.decode("utf-8", "replace")
+
+
 def clean_text(text, what):
     """Text as stored: valid UTF-8 (arguments arrive with undecodable bytes escaped),
     at most MAX_TEXT_BYTES."""
@@ -137,7 +150,7 @@ def dumps_compact(value):
 
 def js_number(value):
     """Numbers print the JavaScript way: an integral float prints as 120, not 120.0."""
-    if isinstance(value, float) and value.is_integer():
+    if isinstance(value, float) and value % 1 == 0:
         return str(int(value))
     return str(value)
 
@@ -688,6 +701,219 @@ def markdown_pins(pins, detail):
 # Commit trailers
 # ============================================================================
 
+# A keyword counts where it starts a line or follows punctuation ("fix: cta — Resolves:
+# pin_…", "Fixes A, closes B"), never inside prose ("this never fixes pin_…"). Several ids
+# may follow one keyword: "Fixes: pin_a, pin_b".
+_PIN_REF = r"(?:pin[ \t]+)?pin_[a-z0-9]{10}\b"
+TRAILER_RE = None
+
+
+def trailer_pattern():
+    global TRAILER_RE
+    if TRAILER_RE is None:
+        import re
+        TRAILER_RE = re.compile(
+            r"(?:^|(?<=[^\w\s]))[ \t]*(?:fixes|resolves|closes)\b:?[ \t]*"
+            r"(%s(?:[ \t]*(?:,|&|\band\b)?[ \t]*%s)*)" % (_PIN_REF, _PIN_REF),
+            re.IGNORECASE | re.MULTILINE)
+    return TRAILER_RE
+
+
+def trailer_ids(message):
+    """Pin ids a commit message names after Fixes/Resolves/Closes, in order of first
+    appearance, lower-cased (an id is never upper case)."""
+    import re
+    found = []
+    for match in trailer_pattern().finditer(message):
+        for pin_id in re.findall(r"pin_[a-z0-9]{10}", match.group(1), re.IGNORECASE):
+            pin_id = pin_id.lower()
+            if pin_id not in found:
+                found.append(pin_id)
+    return found
+
+
+def read_commit(cwd, sha=None):
+    """(full sha, message) of a commit, or None when git cannot say."""
+    out = git_output(["log", "-1", "--format=%H%n%B", sha or "HEAD", "--"], cwd)
+    if not out:
+        return None
+    full, _, message = out.partition("\n")
+    return full.strip(), message
+
+
+# Markers of a process that an agent started: a commit made there is the agent's.
+# (Config-dir variables such as CODEX_HOME are left out: people set them in their shells.)
+AGENT_MARKERS = ("PINBOX_SESSION", "CLAUDECODE", "CODEX_THREAD_ID", "CODEX_SANDBOX",
+                 "HERMES_SESSION_ID", "OPENCLAW_SESSION_KEY")
+
+
+def committed_by():
+    return "agent" if any(os.environ.get(name) for name in AGENT_MARKERS) else "human"
+
+
+def resolve_from_commit(store, ids, sha, by):
+    """Resolves each named pin with the commit. Unknown and already resolved pins are
+    skipped: an amend, rebase or cherry-pick fires the hook again, harmlessly."""
+    resolved, skipped = [], []
+    for pin_id in ids:
+        try:
+            resolve_pin(store, pin_id, by, commit=sha)
+            resolved.append(pin_id)
+        except PinboxError as err:
+            if err.code not in ("E_NOT_FOUND", "E_CONFLICT"):
+                raise
+            skipped.append(pin_id)
+    return resolved, skipped
+
+# ============================================================================
+# Hook I/O and init installers
+# ============================================================================
+
+HOOK_TIMEOUT_S = 0.5  # a hook gives up on a locked store fast: the agent or commit goes on
+
+# The hook commands load this very file from its cached bytecode: running a large script
+# compiles it on every call, which would cost every prompt and every commit ~80 ms. The
+# folder is appended to sys.path, so nothing beside pinbox.py can shadow the stdlib.
+_BOOT_IMPORT = "import sys;sys.path.append(%s);__import__(%s).main()"
+# A copy without the .py suffix (pinbox on PATH) is loaded by path.
+_BOOT_LOADER = ("import sys;from importlib.machinery import SourceFileLoader as L;"
+                "from importlib.util import spec_from_loader as S,module_from_spec as M;"
+                'l=L("pinbox",%s);m=M(S("pinbox",l));sys.modules["pinbox"]=m;l.exec_module(m);m.main()')
+
+
+def self_path():
+    return os.path.abspath(__file__)
+
+
+def hook_command(args):
+    """A shell command running this copy of pinbox with `args`, as fast as Python can:
+    an absolute interpreter (no pyenv shim), no site-packages (-S), isolated (-I)."""
+    import shlex
+    python = sys.executable or "python3"
+    path = self_path()
+    if not os.path.isfile(path):
+        # Inside a zipapp: run the archive itself.
+        archive = path
+        while archive and not os.path.isfile(archive):
+            archive = os.path.dirname(archive)
+        return shlex.join([python, "-I", "-S", archive] + list(args))
+    command = [python, "-I", "-S"]
+    if not os.access(os.path.dirname(path), os.W_OK):
+        cache = os.path.join(os.path.expanduser("~"), ".cache", "pinbox", "pycache")
+        command += ["-X", "pycache_prefix=" + cache]
+    folder, name = os.path.split(path)
+    if name.endswith(".py"):
+        boot = _BOOT_IMPORT % (json.dumps(folder), json.dumps(name[:-3]))
+    else:
+        boot = _BOOT_LOADER % json.dumps(path)
+    return shlex.join(command + ["-c", boot] + list(args))
+
+
+GIT_HOOK_BEGIN = "# >>> pinbox: resolves pins named by Fixes/Resolves/Closes (undo: pinbox init --uninstall)"
+GIT_HOOK_END = "# <<< pinbox"
+
+
+def git_hook_block():
+    line = hook_command(["session", "trailer", "--hook"]) + " </dev/null || true"
+    return "%s\n%s\n%s\n" % (GIT_HOOK_BEGIN, line, GIT_HOOK_END)
+
+
+def git_hooks_path(root):
+    """The post-commit path git will run, honouring core.hooksPath and worktrees."""
+    out = git_output(["rev-parse", "--git-path", "hooks"], root)
+    if not out or not out.strip():
+        return None
+    return os.path.join(os.path.normpath(os.path.join(root, out.strip())), "post-commit")
+
+
+def _split_block(text):
+    """(before, block, after) around pinbox's marked block, or None without one."""
+    begin = text.find(GIT_HOOK_BEGIN)
+    if begin < 0:
+        return None
+    end = text.find(GIT_HOOK_END, begin)
+    if end < 0:
+        return None
+    end = text.find("\n", end)
+    end = len(text) if end < 0 else end + 1
+    return text[:begin], text[begin:end], text[end:]
+
+
+def _is_shell_script(text):
+    first = text.split("\n", 1)[0]
+    if not first.startswith("#!"):
+        return True  # git runs a hook without a shebang through sh
+    interpreter = first[2:].strip().split()
+    names = [os.path.basename(part) for part in interpreter[:2]]
+    return any(name in ("sh", "bash", "dash", "zsh", "ksh", "ash") for name in names)
+
+
+def plan_git_hook(root, uninstall=False):
+    """What installing (or removing) pinbox's post-commit line would do:
+    (outcome, path, new text or None, note)."""
+    path = git_hooks_path(root)
+    if path is None:
+        return "skipped-no-git", None, None, None
+    block = git_hook_block()
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read()
+    except FileNotFoundError:
+        if uninstall:
+            return "absent", path, None, None
+        return "installed", path, "#!/bin/sh\n" + block, None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    parts = _split_block(text) if text is not None else None
+    if uninstall:
+        if parts is None:
+            return "absent", path, None, None
+        rest = parts[0] + parts[2]
+        return "removed", path, "" if rest.strip() in ("", "#!/bin/sh") else rest, None
+    if parts is not None:
+        if parts[1] == block:
+            return "unchanged", path, None, None
+        return "updated", path, parts[0] + block + parts[2], None
+    if text is None or not _is_shell_script(text):
+        line = block.split("\n")[1]
+        return "kept", path, None, "%s is not a shell script; add this line to it yourself:\n  %s" % (path, line)
+    # Our block goes right after the shebang, so an `exit` or `exec` later in the
+    # user's hook cannot skip it; the user's hook runs on unchanged after it.
+    if text.startswith("#!"):
+        head, _, tail = text.partition("\n")
+        return "added", path, head + "\n" + block + tail, None
+    return "added", path, block + text, None
+
+
+def apply_git_hook(outcome, path, text):
+    if text is None:
+        return
+    if text == "" and outcome == "removed":
+        os.unlink(path)
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o755
+    tmp = path + ".pinbox-tmp"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.chmod(tmp, mode | 0o111)
+    os.replace(tmp, path)
+
+
+def plan_gitignore(root):
+    path = os.path.join(root, ".gitignore")
+    try:
+        with open(path, encoding="utf-8", errors="surrogateescape") as handle:
+            text = handle.read()
+    except FileNotFoundError:
+        return "created", path, ".pinbox/\n"
+    if any(line.strip() in (".pinbox/", ".pinbox", "/.pinbox/", "/.pinbox") for line in text.splitlines()):
+        return "unchanged", path, None
+    return "appended", path, text + ("\n" if text and not text.endswith("\n") else "") + ".pinbox/\n"
+
+
 # ============================================================================
 # CLI: output
 # ============================================================================
@@ -751,10 +977,11 @@ class Context:
     """What every verb gets: its parsed arguments, the output, and (opened on first
     use) the project's store."""
 
-    def __init__(self, args, output, cwd=None):
+    def __init__(self, args, output, cwd=None, timeout=BUSY_TIMEOUT_S):
         self.args = args
         self.out = output
         self.cwd = cwd or os.getcwd()
+        self.timeout = timeout
         self._store = None
 
     @property
@@ -766,14 +993,14 @@ class Context:
         """The store for writing: made on first use."""
         if self._store is None or not self._store.exists:
             self.close()
-            self._store = Store(store_dir(self.root))
+            self._store = Store(store_dir(self.root), self.timeout)
         return self._store
 
     @property
     def reader(self):
         """The store for reading: an empty one when the project has none yet."""
         if self._store is None:
-            self._store = Store(store_dir(self.root), create=False)
+            self._store = Store(store_dir(self.root), self.timeout, create=False)
         return self._store
 
     def close(self):
@@ -792,19 +1019,6 @@ def read_text_arg(value, what):
     except UnicodeDecodeError:
         raise invalid("%s on stdin is not valid UTF-8" % what,
                       "pinbox stores text as UTF-8; convert it first (for example with iconv -t UTF-8)")
-
-
-def git_output(args, cwd):
-    """stdout of a git command, or None when git is missing or fails."""
-    import subprocess
-    try:
-        done = subprocess.run(["git"] + args, cwd=cwd, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if done.returncode != 0:
-        return None
-    return done.stdout.decode("utf-8", "replace")
 
 
 def git_stamp(root):
@@ -1025,6 +1239,66 @@ def cmd_export(ctx):
         write_out(text + "\n")
 
 
+def cmd_session_trailer(ctx):
+    args = ctx.args
+    commit = read_commit(ctx.cwd, args.commit)
+    if commit is None:
+        raise invalid("git log failed: no commit %s here" % (args.commit or "HEAD"),
+                      "run from inside a git repository, or pass --commit <sha> that exists")
+    sha, message = commit
+    ids = trailer_ids(message)
+    resolved, skipped = [], []
+    if ids:
+        store = ctx.reader
+        if store.exists:
+            resolved, skipped = resolve_from_commit(store, ids, sha, committed_by())
+        else:
+            skipped = ids  # no store: every id is unknown here
+    done = ["resolved %s (%s)" % (pin_id, sha[:7]) for pin_id in resolved]
+    if args.hook:
+        # Inside `git commit`: one quiet line per resolved pin, nothing else.
+        if done:
+            write_err("".join("pinbox: %s\n" % line for line in done))
+        return 0
+    ctx.out.result({"resolved": resolved, "skipped": skipped}, None, "\n".join(done) or None)
+
+
+def cmd_init(ctx):
+    args = ctx.args
+    root = ctx.root
+    report, lines, notes = {}, [], []
+    if not args.uninstall:
+        exists = os.path.exists(os.path.join(store_dir(root), "pinbox.db"))
+        report["pinboxDir"] = "unchanged" if exists else "created"
+        if not args.dry_run:
+            ctx.store  # makes .pinbox/ and the database
+        lines.append((".pinbox", report["pinboxDir"]))
+        outcome, path, text = plan_gitignore(root)
+        if not args.dry_run and text is not None:
+            with open(path, "w", encoding="utf-8", errors="surrogateescape") as handle:
+                handle.write(text)
+        report["gitignore"] = outcome
+        lines.append((".gitignore", outcome + " (.pinbox/ entry)"))
+    outcome, path, text, note = plan_git_hook(root, uninstall=args.uninstall)
+    if not args.dry_run:
+        apply_git_hook(outcome, path, text)
+    report["gitHook"] = outcome
+    lines.append(("git-hook", "%s %s" % (outcome, _rel(path, root)) if path else "no git repo — skipped"))
+    if note:
+        notes.append(note)
+    if args.dry_run:
+        notes.append("dry run: nothing was written")
+    report["notes"] = notes
+    facts = "\n".join("%s  %s  %s" % ("no" if detail.startswith("kept") else "ok", label.ljust(10), detail)
+                      for label, detail in lines)
+    ctx.out.result(report, facts, "\n".join(notes) or None)
+
+
+def _rel(path, root):
+    rel = os.path.relpath(path, root)
+    return path if rel.startswith("..") else rel
+
+
 def doctor_checks(ctx):
     checks = []
 
@@ -1111,6 +1385,8 @@ def cmd_doctor(ctx):
 # ============================================================================
 # CLI: the parser
 # ============================================================================
+
+HOOK_VERBS = {"trailer": cmd_session_trailer}
 
 VERBS = ("init", "pin", "list", "show", "reply", "resolve", "reopen", "summary", "export",
          "doctor", "serve", "session", "agent")
@@ -1201,6 +1477,24 @@ def build_parser():
 
     verb("doctor", "find out why a pin did not reach an agent").set_defaults(run=cmd_doctor)
 
+    p = verb("init", "set up pinbox in this project: .pinbox/, .gitignore, the post-commit hook", "[options]")
+    p.add_argument("--dry-run", action="store_true", help="say what would change, change nothing")
+    p.add_argument("--yes", action="store_true", help="accept the defaults without asking")
+    p.add_argument("--uninstall", action="store_true", help="take pinbox's hooks out again (the store stays)")
+    p.set_defaults(run=cmd_init)
+
+    session = verb("session", "plumbing for agent and git hooks")
+    session_verbs = session.add_subparsers(dest="session_verb", parser_class=Parser)
+
+    def session_verb(name, summary):
+        return session_verbs.add_parser(name, parents=[common], help=summary, description=summary,
+                                        allow_abbrev=False)
+
+    p = session_verb("trailer", "resolve the pins a commit message names (Fixes/Resolves/Closes pin_…)")
+    p.add_argument("--commit", metavar="sha", help="the commit to read (default HEAD)")
+    p.add_argument("--hook", action="store_true", help="run as the post-commit hook: quiet, exit 0 whatever happens")
+    p.set_defaults(run=cmd_session_trailer)
+
     parser.top_help = TOP_HELP % "\n".join("  " + line for line in summaries)
     return parser
 
@@ -1237,9 +1531,12 @@ def _split_json_flag(argv):
 
 def run(argv=None, cwd=None):
     """Runs one pinbox command line and returns its exit status. Everything a user can
-    get wrong becomes a PinboxError and so an envelope, never a traceback."""
+    get wrong becomes a PinboxError and so an envelope, never a traceback. A hook
+    (--hook) never fails its caller: whatever goes wrong, one line on stderr, exit 0."""
     argv = list(sys.argv[1:] if argv is None else argv)
     json_flag, argv = _split_json_flag(argv)
+    if argv[:1] == ["session"] and "--hook" in argv:
+        return run_hook(argv[1:], cwd)
     out = Output(json_flag or not sys.stdout.isatty(), json_flag)
     verb = next((a for a in argv if a in VERBS), None)
     ctx = None
@@ -1251,12 +1548,13 @@ def run(argv=None, cwd=None):
         if args.version:
             write_out(VERSION + "\n")
             return 0
-        if args.help or args.verb is None:
+        if args.help or args.verb is None or not hasattr(args, "run"):
             write_out(parser.top_help)
             return 0
         ctx = Context(args, out, cwd)
         return args.run(ctx) or 0
-    except PinboxError as err:
+    except Exception as exc:
+        err = as_pinbox_error(exc, ctx)
         if err.code == "E_INVALID_INPUT" and err.hint is None:
             err.hint = usage_hint(verb)
         out.error(err)
@@ -1264,11 +1562,65 @@ def run(argv=None, cwd=None):
     except KeyboardInterrupt:
         write_err("pinbox: interrupted\n")
         return 130
-    except BrokenPipeError:
-        return 0
     finally:
         if ctx is not None:
             ctx.close()
+
+
+class HookArgs:
+    """The few flags a hook command takes, parsed without argparse: hooks run on every
+    prompt and every commit, and building the full parser costs more than the work."""
+    FLAGS = ("--commit", "--agent", "--key", "--cwd")
+
+    def __init__(self, argv):
+        self.hook = True
+        for flag in self.FLAGS:
+            setattr(self, flag[2:], None)
+        verb, rest = (argv[0], argv[1:]) if argv else (None, [])
+        self.run = HOOK_VERBS.get(verb)
+        if self.run is None:
+            raise invalid("unknown hook command %r" % verb)
+        while rest:
+            flag = rest.pop(0)
+            if flag == "--hook":
+                continue
+            if flag not in self.FLAGS or not rest:
+                raise invalid("unknown or incomplete option %r" % flag)
+            setattr(self, flag[2:], rest.pop(0))
+
+
+def run_hook(argv, cwd=None):
+    """A hook never fails its caller (an agent's turn, a commit): whatever goes wrong
+    is one line on stderr, and the exit status is 0."""
+    ctx = None
+    try:
+        ctx = Context(HookArgs(argv), Output(False), cwd, timeout=HOOK_TIMEOUT_S)
+        ctx.args.run(ctx)
+    except BaseException as exc:  # noqa: B036 — even ^C must not fail a commit
+        if not isinstance(exc, KeyboardInterrupt):
+            write_err("pinbox: %s\n" % as_pinbox_error(exc, ctx).message)
+    finally:
+        if ctx is not None:
+            try:
+                ctx.close()
+            except Exception:
+                pass
+    return 0
+
+
+def as_pinbox_error(exc, ctx):
+    if isinstance(exc, PinboxError):
+        return exc
+    if isinstance(exc, sqlite3.Error):
+        path = ctx._store.path if ctx is not None and ctx._store is not None else "the store"
+        return store_error(path, exc)
+    if isinstance(exc, BrokenPipeError):
+        return PinboxError("E_INTERNAL", "output closed early")
+    if os.environ.get("PINBOX_DEBUG"):
+        import traceback
+        traceback.print_exc()
+    return PinboxError("E_INTERNAL", "%s: %s" % (type(exc).__name__, exc),
+                       "this is a bug in pinbox; set PINBOX_DEBUG=1 to see where")
 
 
 def main():

@@ -518,12 +518,308 @@ class TestPins(PinboxCase):
                                               "connectedToolbars": 0})
 
 
-def git_commit(repo, message="initial", filename="README.md"):
+def git_commit(repo, message="initial", filename="README.md", env=None):
     with open(os.path.join(repo, filename), "a") as handle:
         handle.write("line\n")
     git(repo, "add", filename)
-    git(repo, "commit", "-q", "-m", message)
+    git(repo, "commit", "-q", "-m", message, env=env)
     return git(repo, "rev-parse", "HEAD")
+
+
+# ============================================================================
+# Commit trailers
+# ============================================================================
+
+A = "pin_aaaaaaaaaa"
+B = "pin_bbbbbbbbbb"
+
+
+class TestTrailerGrammar(unittest.TestCase):
+    def test_messages_that_name_pins(self):
+        cases = {
+            "Fixes %s" % A: [A], "Fixes: %s" % A: [A], "Fixes pin %s" % A: [A], "RESOLVES: %s" % A: [A],
+            "Resolves: pin %s" % A: [A], "closes pin %s" % A: [A], "closes: %s" % A: [A], "ReSoLvEs: %s" % A: [A],
+            "Fix the save button\n\nThe hit area was 8px short.\n\nResolves: %s\nSigned-off-by: x" % A: [A],
+            "fix: cta — Resolves: %s" % A: [A],
+            "Fixes: %s, %s" % (A, B): [A, B], "Fixes %s and %s" % (A, B): [A, B],
+            "Fixes %s, closes pin %s" % (B, A): [B, A], "Fixes %s … Resolves: %s" % (A, A): [A],
+            "Resolves: %s\nFixes %s\ncloses %s" % (A, B, A): [A, B],
+            "- Fixes %s\n* Closes %s" % (A, B): [A, B], "Fixes: PIN_AAAAAAAAAA": [A],
+        }
+        for message, expected in cases.items():
+            self.assertEqual(pinbox.trailer_ids(message), expected, message)
+
+    def test_messages_that_do_not(self):
+        for message in ("prefixes %s" % A, "Fixes pin_short", "Fixesfoo %s" % A, "Fixes%s" % A,
+                        "Fixes %sx" % A, "Fixes pin_aaaaaaaaaaa", "see %s for context" % A, "Fixes msg_aaaaaaaaaa",
+                        "fix %s" % A, "fixed %s" % A, "this never fixes %s" % A, ""):
+            self.assertEqual(pinbox.trailer_ids(message), [], message)
+
+
+class TestCommitResolution(PinboxCase):
+    def setUp(self):
+        super().setUp()
+        git_commit(self.repo, "initial")
+        self.ok("init")
+
+    def commit(self, message, env=None, allow_fail=False):
+        started = time.monotonic()
+        done = subprocess.run(["git", "commit", "-q", "--allow-empty", "-m", message], cwd=self.repo,
+                              env=env or self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        elapsed = time.monotonic() - started
+        if not allow_fail:
+            self.assertEqual(done.returncode, 0, done.stderr)
+        return done, elapsed
+
+    def head(self):
+        return git(self.repo, "rev-parse", "HEAD")
+
+    def test_each_accepted_message_resolves_its_pin_with_the_full_sha(self):
+        templates = ["Fixes {0}", "RESOLVES: {0}", "closes pin {0}",
+                     "Fix the button\n\nLonger body text here.\n\nResolves: {0}\nSigned-off-by: Pat <p@x>",
+                     "fix: cta — Resolves: {0}"]
+        for template in templates:
+            pin = self.pin("for: " + template)
+            done, _ = self.commit(template.format(pin["id"]))
+            resolved = self.ok("show", pin["id"])["pin"]
+            self.assertEqual(resolved["status"], "resolved", template)
+            self.assertEqual(resolved["resolution"]["commit"], self.head())
+            self.assertEqual(resolved["resolution"]["by"], "human")
+            self.assertIn("pinbox: resolved %s (%s)" % (pin["id"], self.head()[:7]), done.stderr.decode())
+        a, b = self.pin("a"), self.pin("b")
+        self.commit("Fix both\n\nFixes: %s, %s" % (a["id"], b["id"]))
+        for pin in (a, b):
+            self.assertEqual(self.ok("show", pin["id"])["pin"]["resolution"]["commit"], self.head())
+
+    def test_other_messages_resolve_nothing(self):
+        pin = self.pin()
+        for message in ("prefixes %s" % pin["id"], "Fixes pin_short", "Fixesfoo %s" % pin["id"],
+                        "this never fixes %s" % pin["id"]):
+            done, _ = self.commit(message)
+            self.assertEqual(done.stderr, b"")
+        self.assertEqual(self.ok("show", pin["id"])["pin"]["status"], "open")
+
+    def test_amend_rebase_and_cherry_pick_change_nothing(self):
+        pin = self.pin()
+        git_commit(self.repo, "Fixes: %s" % pin["id"], "fix.txt", env=self.env)
+        first = self.head()
+        before = self.ok("show", pin["id"])["pin"]
+        for command in (["commit", "-q", "--amend", "-m", "Fixes: %s (amended)" % pin["id"]],
+                        ["checkout", "-q", "-b", "side", "HEAD~1"]):
+            done = subprocess.run(["git"] + command, cwd=self.repo, env=self.env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            self.assertEqual((done.returncode, done.stderr), (0, b""))
+        git_commit(self.repo, "side work", "side.txt", env=self.env)
+        for command in (["cherry-pick", "main"], ["rebase", "-q", "--force-rebase", "HEAD~2"]):
+            done = subprocess.run(["git"] + command, cwd=self.repo, env=self.env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            self.assertEqual(done.returncode, 0, done.stderr)
+            self.assertNotIn(b"pinbox", done.stderr)
+        self.assertEqual(git(self.repo, "log", "--format=%s", "-3").splitlines(),
+                         ["Fixes: %s (amended)" % pin["id"], "side work", "initial"])
+        after = self.ok("show", pin["id"])["pin"]
+        self.assertEqual(after, before)
+        self.assertEqual(after["resolution"]["commit"], first)
+        self.assertEqual(self.sql("SELECT COUNT(*) FROM events WHERE type = 'pin.resolved'")[0][0], 1)
+
+    def test_a_commit_goes_on_when_the_store_is_missing_locked_or_corrupt(self):
+        pin = self.pin()
+        _, baseline = self.commit("warm-up")
+        # Locked: another writer holds the write lock for 10 s.
+        holder = subprocess.Popen([sys.executable, "-c", (
+            "import sqlite3, sys, time\n"
+            "c = sqlite3.connect(%r, isolation_level=None)\n"
+            "c.execute('BEGIN EXCLUSIVE'); print('locked', flush=True); time.sleep(10)") % self.db_path],
+            stdout=subprocess.PIPE)
+        self.addCleanup(holder.kill)
+        self.assertEqual(holder.stdout.readline(), b"locked\n")
+        done, elapsed = self.commit("Fixes: %s" % pin["id"])
+        self.assertLess(elapsed - baseline, 1.0)
+        self.assertEqual(len(done.stderr.decode().strip().splitlines()), 1, done.stderr)  # one line at most
+        holder.kill()
+        holder.wait()
+        self.assertEqual(self.ok("show", pin["id"])["pin"]["status"], "open")
+        # Corrupt: the file is not a database any more.
+        saved = self.db_path + ".saved"
+        os.rename(self.db_path, saved)
+        with open(self.db_path, "wb") as handle:
+            handle.write(b"garbage" * 1000)
+        done, elapsed = self.commit("Fixes: %s" % pin["id"])
+        self.assertLess(elapsed - baseline, 1.0)
+        self.assertLessEqual(len(done.stderr.decode().strip().splitlines()), 1)
+        with open(self.db_path, "rb") as handle:
+            self.assertEqual(handle.read(), b"garbage" * 1000)
+        # Missing: no .pinbox at all.
+        shutil.rmtree(os.path.join(self.repo, ".pinbox"))
+        done, elapsed = self.commit("Fixes: %s" % pin["id"])
+        self.assertEqual(done.stderr, b"")
+        self.assertLess(elapsed - baseline, 1.0)
+        self.assertFalse(os.path.exists(os.path.join(self.repo, ".pinbox")))
+
+    def test_trailer_verb_reports_resolved_and_skipped(self):
+        pin = self.pin()
+        self.commit("Fixes %s and %s" % (pin["id"], "pin_zzzzzzzzzz"), env=dict(self.env))
+        # The hook already resolved it: a manual run now skips both.
+        self.assertEqual(self.ok("session", "trailer"), {"resolved": [], "skipped": [pin["id"], "pin_zzzzzzzzzz"]})
+        other = self.pin("older")
+        git(self.repo, "commit", "-q", "--allow-empty", "--no-verify", "-m", "Closes %s" % other["id"], env=dict(
+            self.env, GIT_CONFIG_COUNT="1", GIT_CONFIG_KEY_0="core.hooksPath", GIT_CONFIG_VALUE_0="/nonexistent"))
+        older = self.head()
+        self.commit("unrelated")
+        self.assertEqual(self.ok("session", "trailer", "--commit", older), {"resolved": [other["id"]], "skipped": []})
+        self.assertEqual(self.ok("show", other["id"])["pin"]["resolution"]["commit"], older)
+        error = self.fails("E_INVALID_INPUT", 2, "session", "trailer", "--commit", "nosuchcommit")
+        self.assertIn("nosuchcommit", error["message"])
+
+    def test_by_agent_only_inside_an_agent(self):
+        for env, expected in (({"CLAUDECODE": "1"}, "agent"), ({"PINBOX_SESSION": "ses_abcdefghij"}, "agent"),
+                              ({"CODEX_THREAD_ID": "t1"}, "agent"), ({"CODEX_HOME": "/x", "HERMES_HOME": "/y"}, "human")):
+            pin = self.pin()
+            self.commit("Fixes %s" % pin["id"], env=dict(self.env, **env))
+            self.assertEqual(self.ok("show", pin["id"])["pin"]["resolution"]["by"], expected, env)
+
+    def test_show_names_the_commit(self):
+        pin = self.pin()
+        self.commit("Fixes %s" % pin["id"])
+        sha = self.head()
+        self.assertIn("commit    %s (%s)\n" % (sha[:7], sha), self.human("show", pin["id"]).out)
+
+    def test_without_a_store_ids_are_skipped_and_nothing_is_made(self):
+        shutil.rmtree(os.path.join(self.repo, ".pinbox"))
+        git(self.repo, "commit", "-q", "--allow-empty", "-m", "Fixes %s" % A)
+        self.assertEqual(self.ok("session", "trailer"), {"resolved": [], "skipped": [A]})
+        self.assertFalse(os.path.exists(os.path.join(self.repo, ".pinbox")))
+
+    def test_outside_git_the_hook_still_exits_0(self):
+        plain = os.path.join(self.tmp, "plain")
+        os.makedirs(plain)
+        r = self.run_pinbox("session", "trailer", "--hook", cwd=plain)
+        self.assertEqual((r.code, r.out), (0, ""))
+        self.assertEqual(len(r.err.splitlines()), 1)
+        self.fails("E_INVALID_INPUT", 2, "session", "trailer", cwd=plain)
+
+
+class TestInitGitHook(PinboxCase):
+    @property
+    def hook_path(self):
+        return os.path.join(self.repo, ".git", "hooks", "post-commit")
+
+    def snapshot(self):
+        files = {}
+        for folder in (self.repo,):
+            for root, dirs, names in os.walk(folder):
+                dirs[:] = [d for d in dirs if d not in ("objects", "logs")]
+                for name in names:
+                    path = os.path.join(root, name)
+                    if name.startswith("pinbox.db"):
+                        continue
+                    with open(path, "rb") as handle:
+                        files[path] = (handle.read(), os.stat(path).st_mode)
+        return files
+
+    def test_init_twice_changes_no_byte(self):
+        first = self.ok("init")
+        self.assertEqual((first["pinboxDir"], first["gitignore"], first["gitHook"]), ("created", "created", "installed"))
+        self.assertTrue(os.path.exists(self.db_path))
+        with open(os.path.join(self.repo, ".gitignore")) as handle:
+            self.assertEqual(handle.read(), ".pinbox/\n")
+        self.assertTrue(os.access(self.hook_path, os.X_OK))
+        before = self.snapshot()
+        second = self.ok("init")
+        self.assertEqual((second["pinboxDir"], second["gitignore"], second["gitHook"]),
+                         ("unchanged", "unchanged", "unchanged"))
+        self.assertEqual(self.snapshot(), before)
+        r = self.human("init")
+        self.assertEqual(r.out, "ok  .pinbox     unchanged\nok  .gitignore  unchanged (.pinbox/ entry)\n"
+                                "ok  git-hook    unchanged .git/hooks/post-commit\n")
+
+    def test_dry_run_writes_nothing(self):
+        before = self.snapshot()
+        data = self.ok("init", "--dry-run")
+        self.assertEqual((data["pinboxDir"], data["gitignore"], data["gitHook"]), ("created", "created", "installed"))
+        self.assertEqual(self.snapshot(), before)
+        self.assertFalse(os.path.exists(os.path.join(self.repo, ".pinbox")))
+
+    def test_gitignore_is_appended_once(self):
+        with open(os.path.join(self.repo, ".gitignore"), "w") as handle:
+            handle.write("node_modules")
+        self.assertEqual(self.ok("init")["gitignore"], "appended")
+        self.assertEqual(self.ok("init")["gitignore"], "unchanged")
+        with open(os.path.join(self.repo, ".gitignore")) as handle:
+            self.assertEqual(handle.read(), "node_modules\n.pinbox/\n")
+
+    def write_user_hook(self, text):
+        os.makedirs(os.path.dirname(self.hook_path), exist_ok=True)
+        with open(self.hook_path, "w") as handle:
+            handle.write(text)
+        os.chmod(self.hook_path, 0o755)
+
+    def commit_resolves(self, marker):
+        pin = self.pin()
+        git(self.repo, "commit", "-q", "--allow-empty", "-m", "Fixes %s" % pin["id"], env=self.env)
+        self.assertEqual(self.ok("show", pin["id"])["pin"]["status"], "resolved")
+        with open(os.path.join(self.repo, marker)) as handle:
+            return handle.read()
+
+    def test_a_users_shell_hook_keeps_running_even_when_it_exits_early(self):
+        user = "#!/bin/sh\necho ran >> user-hook.log\nexit 0\n"
+        self.write_user_hook(user)
+        self.assertEqual(self.ok("init")["gitHook"], "added")
+        self.assertEqual(self.ok("init")["gitHook"], "unchanged")
+        self.assertEqual(self.commit_resolves("user-hook.log"), "ran\n")
+        with open(self.hook_path) as handle:
+            self.assertEqual(handle.read().count(pinbox.GIT_HOOK_BEGIN), 1)
+        self.assertEqual(self.ok("init", "--uninstall")["gitHook"], "removed")
+        with open(self.hook_path) as handle:
+            self.assertEqual(handle.read(), user)
+        self.assertEqual(self.ok("init", "--uninstall")["gitHook"], "absent")
+
+    def test_a_hook_that_is_not_shell_is_kept_and_the_line_is_given(self):
+        user = "#!/usr/bin/env python3\nopen('user-hook.log', 'a').write('py\\n')\n"
+        self.write_user_hook(user)
+        r = self.run_pinbox("init")
+        self.assertEqual(r.json["data"]["gitHook"], "kept")
+        note = r.json["data"]["notes"][0]
+        self.assertIn("session trailer --hook", note)
+        with open(self.hook_path) as handle:
+            self.assertEqual(handle.read(), user)
+        human = self.human("init")
+        self.assertIn("no  git-hook    kept .git/hooks/post-commit", human.out)
+        self.assertIn("add this line", human.err)
+        git(self.repo, "commit", "-q", "--allow-empty", "-m", "x", env=self.env)
+        with open(os.path.join(self.repo, "user-hook.log")) as handle:
+            self.assertEqual(handle.read(), "py\n")
+
+    def test_uninstall_removes_a_hook_pinbox_made(self):
+        self.ok("init")
+        self.assertEqual(self.ok("init", "--uninstall")["gitHook"], "removed")
+        self.assertFalse(os.path.exists(self.hook_path))
+        self.assertTrue(os.path.exists(self.db_path))  # the pins stay
+
+    def test_core_hooks_path_and_worktrees(self):
+        git(self.repo, "config", "core.hooksPath", ".githooks")
+        self.assertEqual(self.ok("init")["gitHook"], "installed")
+        self.assertTrue(os.path.exists(os.path.join(self.repo, ".githooks", "post-commit")))
+        self.assertEqual(self.commit_resolves_plain(self.repo), "resolved")
+        git(self.repo, "config", "--unset", "core.hooksPath")
+        git_commit(self.repo, "base")
+        tree = os.path.join(self.tmp, "tree")
+        git(self.repo, "worktree", "add", "-q", tree, "-b", "wt")
+        self.assertEqual(self.ok("init", cwd=tree)["gitHook"], "installed")
+        self.assertTrue(os.path.exists(self.hook_path))  # the worktree shares the main hooks folder
+        self.assertEqual(self.commit_resolves_plain(tree), "resolved")
+
+    def commit_resolves_plain(self, cwd):
+        pin = self.ok("pin", "x", cwd=cwd)
+        git(cwd, "commit", "-q", "--allow-empty", "-m", "Fixes %s" % pin["id"], env=self.env)
+        return self.ok("show", pin["id"], cwd=cwd)["pin"]["status"]
+
+    def test_the_hook_command_calls_an_absolute_interpreter_without_site(self):
+        self.ok("init")
+        with open(self.hook_path) as handle:
+            line = handle.read().split("\n")[2]
+        self.assertTrue(line.startswith(sys.executable + " -I -S -c "), line)
+        self.assertIn(HERE, line)
 
 
 # ============================================================================
