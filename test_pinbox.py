@@ -235,8 +235,8 @@ class TestStore(PinboxCase):
         self.legacy_db(2)
         conn = sqlite3.connect(self.db_path)
         conn.executescript(";".join(pinbox.MIGRATIONS[3][:1] + [pinbox.MIGRATIONS[3][1][1:]] + pinbox.MIGRATIONS[4]))
-        conn.execute("INSERT INTO sessions VALUES ('ses_legacy0001','claude','k1','/tmp','2026-01-01T00:00:00.000Z',"
-                     "'2026-01-01T00:00:00.000Z',NULL,'{}')")
+        conn.execute("INSERT INTO sessions VALUES ('ses_legacy0001','claude','k1','/tmp',?,?,NULL,'{}')",
+                     (pinbox.iso_time(), pinbox.iso_time()))
         conn.execute("PRAGMA user_version = 4")
         conn.commit()
         conn.close()
@@ -863,7 +863,9 @@ class TestHumanOutput(PinboxCase):
                                 "url       http://localhost:3000/\n"
                                 "git       main @ %s\n"
                                 "author    pat@example.com\n"
-                                "created   %s (just now)\n" % (pin_id, head[:7], created))
+                                "created   %s (just now)\n"
+                                "\n"  # beyond the original: where the pin's events went
+                                "delivery  pin.created  (no session yet)  none  pending\n" % (pin_id, head[:7], created))
         self.assertNotIn("undefined", r.out)
 
         r = self.human("reply", pin_id, "hi", "--as", "agent")
@@ -876,7 +878,10 @@ class TestHumanOutput(PinboxCase):
         lines = r.out.splitlines()
         self.assertEqual(lines[0], "%s  resolved  note" % pin_id)
         self.assertIn("resolved  by human, just now — padding fixed", lines)
-        self.assertEqual(lines[-3:], ["", "agent  just now  hi", "human  just now  thanks"])
+        self.assertEqual(lines[-8:], ["", "agent  just now  hi", "human  just now  thanks", "",
+                                      "delivery  pin.created     (no session yet)  none  pending",
+                                      "delivery  thread.message  —                 none  skipped",
+                                      "delivery  thread.message  (no session yet)  none  pending"])
 
         r = self.human("summary")
         self.assertEqual(r.out, "open        1\nresolved    2\nsessions    0\nlast event  #7\n")
