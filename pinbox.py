@@ -1039,6 +1039,7 @@ def collect_mid_turn(store, agent, key):
         session = find_session(conn, agent, key)
         if session is None:
             return Arrivals(conn, [])
+        conn.execute("UPDATE sessions SET last_seen_at = ? WHERE id = ?", (iso_time(), session["id"]))
         rows = pending_pulls(conn, session["id"])
         arrivals = Arrivals(conn, rows).only_open()
         mark_delivered(conn, [r[0] for r in rows])
@@ -1064,7 +1065,7 @@ def deliveries_for_pin(store, pin_id):
         rows = store.conn.execute(
             "SELECT d.id, e.seq, e.type, d.session_id, d.adapter, d.status, d.attempts, d.due_at, d.last_error, "
             "d.updated_at, e.payload FROM deliveries d JOIN events e ON e.seq = d.event_seq "
-            "WHERE e.type IN ('pin.created', 'thread.message', 'pin.verified') ORDER BY d.id").fetchall()
+            "WHERE instr(e.payload, ?) > 0 ORDER BY d.id", ('"%s"' % pin_id,)).fetchall()
     history = []
     for row_id, seq, kind, session_id, adapter, status, attempts, due, error, updated, raw in rows:
         payload = json.loads(raw)
@@ -1738,12 +1739,13 @@ def cmd_show(ctx):
     thread = get_thread(ctx.reader, pin["id"])
     deliveries = deliveries_for_pin(ctx.reader, pin["id"])
     facts = render_show(pin, thread)
-    if deliveries:
-        facts += "\n\n" + pad_columns([["delivery", d["event"], d.get("session") or ("—" if d["status"] == "skipped" else "(no session yet)"),
+    shown = [d for d in deliveries if d["status"] != "skipped"]  # events that were never for agents
+    if shown:
+        facts += "\n\n" + pad_columns([["delivery", d["event"], d.get("session") or "(no session yet)",
                                           d["adapter"], d["status"] + (", %d attempt(s)" % d["attempts"] if d["attempts"]
                                                                        else "") + (" — " + d["lastError"]
                                                                                    if d.get("lastError") else "")]
-                                         for d in deliveries])
+                                         for d in shown])
     ctx.out.result({"pin": pin, "thread": thread, "deliveries": deliveries}, facts)
 
 
