@@ -1423,6 +1423,156 @@ class TestCommandLine(PinboxCase):
         self.assertFalse([c for c in r.json["data"]["checks"] if c["name"] == "state-dir"][0]["ok"])
 
 
+class TestInitAgents(PinboxCase):
+    def setUp(self):
+        super().setUp()
+        self.env.update(CODEX_HOME=os.path.join(self.tmp, "home", ".codex"),
+                        HERMES_HOME=os.path.join(self.tmp, "home", ".hermes"))
+
+    def path(self, *parts):
+        return os.path.join(self.repo, *parts)
+
+    def write(self, path, text):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as handle:
+            handle.write(text)
+
+    def read(self, path):
+        with open(path) as handle:
+            return handle.read()
+
+    def test_claude_settings_keep_the_users_hooks_and_keys(self):
+        user = {"model": "opus", "env": {"FOO": "1"}, "hooks": {
+            "UserPromptSubmit": [{"matcher": "", "hooks": [{"type": "command", "command": "./my/inject.sh"}]}],
+            "PreToolUse": [{"matcher": "Bash", "hooks": [{"type": "command", "command": "audit.sh"}]}]},
+            "permissions": {"allow": ["Bash(npm test)"], "deny": ["Read(.env)"]}}
+        settings = self.path(".claude", "settings.json")
+        self.write(settings, json.dumps(user, indent=4) + "\n")
+        data = self.ok("init", "--agent", "claude")
+        self.assertEqual(data["agents"], [{"target": "claude", "outcome": "updated", "path": settings}])
+        merged = json.loads(self.read(settings))
+        self.assertEqual((merged["model"], merged["env"]), ("opus", {"FOO": "1"}))
+        self.assertEqual(merged["hooks"]["PreToolUse"], user["hooks"]["PreToolUse"])
+        self.assertEqual(merged["hooks"]["UserPromptSubmit"][0], user["hooks"]["UserPromptSubmit"][0])
+        self.assertTrue(merged["hooks"]["UserPromptSubmit"][1]["hooks"][0]["command"].endswith(
+            "session inject --hook --agent claude"))
+        for event, verb in (("SessionStart", "register"), ("Stop", "pending"), ("SessionEnd", "end")):
+            command = merged["hooks"][event][0]["hooks"][0]["command"]
+            self.assertTrue(command.startswith(sys.executable + " -I -S -c "), command)
+            self.assertTrue(command.endswith("session %s --hook --agent claude" % verb))
+        self.assertEqual(merged["permissions"], {"allow": ["Bash(npm test)", "Bash(pinbox:*)"], "deny": ["Read(.env)"]})
+        self.assertTrue(self.read(settings).startswith('{\n    "model"'))  # the user's indent is kept
+        before = self.read(settings)
+        self.assertEqual(self.ok("init", "--agent", "claude")["agents"][0]["outcome"], "unchanged")
+        self.assertEqual(self.read(settings), before)
+        # Uninstall takes out only pinbox's handlers.
+        self.assertEqual(self.ok("init", "--uninstall", "--agent", "claude")["agents"][0]["outcome"], "removed")
+        left = json.loads(self.read(settings))
+        self.assertEqual(left["hooks"], user["hooks"])
+        self.assertEqual(left["model"], "opus")
+
+    def test_a_moved_pinbox_updates_its_hooks_in_place(self):
+        self.ok("init", "--agent", "claude")
+        elsewhere = os.path.join(self.tmp, "opt")
+        os.makedirs(elsewhere)
+        shutil.copy(SCRIPT, os.path.join(elsewhere, "pinbox.py"))
+        done = subprocess.run([sys.executable, os.path.join(elsewhere, "pinbox.py"), "init", "--agent", "claude"],
+                              cwd=self.repo, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.assertEqual(json.loads(done.stdout)["data"]["agents"][0]["outcome"], "updated", done.stderr)
+        merged = json.loads(self.read(self.path(".claude", "settings.json")))
+        for event in ("SessionStart", "UserPromptSubmit", "Stop", "SessionEnd"):
+            handlers = [h for g in merged["hooks"][event] for h in g["hooks"]]
+            self.assertEqual(len(handlers), 1)
+            self.assertIn(elsewhere, handlers[0]["command"])
+
+    def test_an_unparseable_settings_file_is_left_alone_and_reported(self):
+        settings = self.path(".claude", "settings.json")
+        self.write(settings, '{"hooks": {oops')
+        r = self.run_pinbox("init", "--agent", "claude")
+        self.assertEqual(r.code, 1)
+        agent = r.json["data"]["agents"][0]
+        self.assertEqual(agent["outcome"], "failed")
+        self.assertIn("left untouched", agent["notes"][0])
+        self.assertEqual(self.read(settings), '{"hooks": {oops')
+        self.assertIn("no  claude", self.human("init", "--agent", "claude").out)
+
+    def test_dry_run_and_bad_agent_names(self):
+        before = sorted(os.listdir(self.repo))
+        data = self.ok("init", "--agent", "claude,codex", "--dry-run")
+        self.assertEqual([a["outcome"] for a in data["agents"]], ["installed", "installed"])
+        self.assertEqual(sorted(os.listdir(self.repo)), before)
+        error = self.fails("E_INVALID_INPUT", 2, "init", "--agent", "claude,nope")
+        self.assertEqual(error["message"], "unknown agent target: nope")
+        self.assertIn("claude, codex, hermes", error["hint"])
+
+    def test_codex_hooks_and_the_trust_it_needs(self):
+        data = self.ok("init", "--agent", "codex")
+        hooks_path = self.path(".codex", "hooks.json")
+        hooks = json.loads(self.read(hooks_path))["hooks"]
+        self.assertEqual(sorted(hooks), ["SessionEnd", "SessionStart", "Stop", "UserPromptSubmit"])
+        self.assertEqual(hooks["SessionEnd"][0]["hooks"][0]["timeout"], 3)
+        self.assertIn("/hooks", data["notes"][0])
+        self.assertIn("--trust", data["notes"][0])
+        config = os.path.join(self.env["CODEX_HOME"], "config.toml")
+        self.assertFalse(os.path.exists(config))
+        # The user already trusts the project: that table must not be written twice.
+        self.write(config, 'model = "gpt"\n\n[projects."%s"]\ntrust_level = "trusted"\n' % self.repo)
+        self.ok("init", "--agent", "codex", "--trust")
+        text = self.read(config)
+        self.assertEqual(text.count('[projects."%s"]' % self.repo), 1)
+        self.assertTrue(text.startswith('model = "gpt"\n'))
+        for event, snake in (("SessionStart", "session_start"), ("Stop", "stop")):
+            handler = hooks[event][0]["hooks"][0]
+            self.assertIn('[hooks.state."%s:%s:0:0"]\ntrusted_hash = "%s"\n'
+                          % (hooks_path, snake, pinbox.codex_trust_hash(event, handler)), text)
+        self.ok("init", "--agent", "codex", "--trust")
+        self.assertEqual(self.read(config), text)
+        self.ok("init", "--uninstall", "--agent", "codex")
+        self.assertEqual(self.read(config), 'model = "gpt"\n\n[projects."%s"]\ntrust_level = "trusted"\n' % self.repo)
+        self.assertNotIn("hooks", json.loads(self.read(hooks_path)))
+
+    def test_codex_trust_hash_matches_the_rule_codex_uses(self):
+        handler = {"type": "command", "command": "/bin/sh /x/hook.sh UserPromptSubmit", "timeout": 30}
+        blob = json.dumps({"event_name": "user_prompt_submit", "hooks": [dict(handler, **{"async": False})]},
+                          sort_keys=True, separators=(",", ":"))
+        import hashlib
+        self.assertEqual(pinbox.codex_trust_hash("UserPromptSubmit", handler),
+                         "sha256:" + hashlib.sha256(blob.encode()).hexdigest())
+
+    def test_hermes_hooks_block_and_approvals(self):
+        config = os.path.join(self.env["HERMES_HOME"], "config.yaml")
+        allowlist = os.path.join(self.env["HERMES_HOME"], "shell-hooks-allowlist.json")
+        self.write(config, "model:\n  default: x\n")
+        self.write(allowlist, json.dumps({"approvals": [{"event": "pre_tool_call", "command": "mine.sh"}]}))
+        data = self.ok("init", "--agent", "hermes")
+        self.assertIn("--trust", data["notes"][0])
+        text = self.read(config)
+        self.assertTrue(text.startswith("model:\n  default: x\n# >>> pinbox hooks\nhooks:\n  on_session_start:\n"))
+        commands = [json.loads(line.split("command: ", 1)[1]) for line in text.splitlines() if "command: " in line]
+        self.assertEqual([c.rsplit(" ", 4)[1:] for c in commands],
+                         [["register", "--hook", "--agent", "hermes"], ["inject", "--hook", "--agent", "hermes"],
+                          ["end", "--hook", "--agent", "hermes"]])
+        self.ok("init", "--agent", "hermes", "--trust")
+        approvals = json.loads(self.read(allowlist))["approvals"]
+        self.assertEqual(approvals[0], {"event": "pre_tool_call", "command": "mine.sh"})
+        self.assertEqual([(a["event"], a["command"]) for a in approvals[1:]],
+                         list(zip(["on_session_start", "pre_llm_call", "on_session_finalize"], commands)))
+        before = (self.read(config), self.read(allowlist))
+        self.ok("init", "--agent", "hermes", "--trust")
+        self.assertEqual((self.read(config), self.read(allowlist)), before)
+        self.ok("init", "--uninstall", "--agent", "hermes")
+        self.assertEqual(self.read(config), "model:\n  default: x\n")
+        self.assertEqual(json.loads(self.read(allowlist))["approvals"], [{"event": "pre_tool_call", "command": "mine.sh"}])
+
+    def test_hermes_config_with_its_own_hooks_is_kept(self):
+        config = os.path.join(self.env["HERMES_HOME"], "config.yaml")
+        self.write(config, "hooks:\n  pre_tool_call:\n    - command: audit.sh\n")
+        data = self.ok("init", "--agent", "hermes")
+        self.assertEqual(data["agents"][0]["outcome"], "kept")
+        self.assertIn("add these entries", data["agents"][0]["notes"][0])
+        self.assertEqual(self.read(config), "hooks:\n  pre_tool_call:\n    - command: audit.sh\n")
+
+
 # ============================================================================
 # Hook I/O and init: with the real Claude Code, Codex and Hermes
 # ============================================================================
