@@ -2125,21 +2125,21 @@ def session_ref_args(ctx):
     return ctx.identity
 
 
-def hook_store(ctx):
-    """The store a hook works on, or None: a hook never makes a store in a folder
-    where pinbox was never set up (global agent hooks run everywhere)."""
-    store = ctx.reader
-    return store if store.exists else None
+def session_store(ctx, create=True):
+    """The store a session verb works on. None for a hook in a folder where pinbox was
+    never set up: a hook never makes a store (global agent hooks run everywhere)."""
+    if ctx.args.hook:
+        session_ref_args(ctx)  # the payload's cwd says which project this is
+        store = ctx.reader
+        return store if store.exists else None
+    return ctx.store if create else ctx.reader
 
 
 def cmd_session_register(ctx):
     agent, key, cwd = session_ref_args(ctx)
-    if ctx.args.hook:
-        store = hook_store(ctx)
-        if store is None:
-            return 0
-    else:
-        store = ctx.store
+    store = session_store(ctx)
+    if store is None:
+        return 0
     with store.guard(), store.write() as conn:
         session, created = upsert_session(conn, agent, key, cwd)
         claim_unassigned(conn, session)
@@ -2151,7 +2151,7 @@ def cmd_session_register(ctx):
 
 def cmd_session_inject(ctx):
     agent, key, cwd = session_ref_args(ctx)
-    store = hook_store(ctx) if ctx.args.hook else ctx.store
+    store = session_store(ctx)
     if store is None:
         return 0
     session, pins, arrivals, delivered = pull_for_session(store, agent, key, cwd)
@@ -2172,7 +2172,7 @@ def cmd_session_inject(ctx):
 def cmd_session_pending(ctx):
     agent, key, _ = session_ref_args(ctx)
     if ctx.args.hook:
-        store = hook_store(ctx)
+        store = session_store(ctx)
         if store is None or agent not in ("claude", "codex"):
             return 0  # Hermes has no Stop hook to hold
         arrivals = collect_mid_turn(store, agent, key)
@@ -2200,13 +2200,9 @@ def named_session(ctx, conn):
 
 
 def cmd_session_end(ctx):
-    if ctx.args.hook:
-        session_ref_args(ctx)
-        store = hook_store(ctx)
-        if store is None:
-            return 0
-    else:
-        store = ctx.reader
+    store = session_store(ctx, create=False)
+    if store is None:
+        return 0
     with store.guard(), store.write() as conn:
         session = end_session(conn, named_session(ctx, conn))
     if not ctx.args.hook:
@@ -2460,6 +2456,10 @@ def build_parser():
             summaries.append(("%s %s" % (name, usage_args)).strip().ljust(29) + summary)
         return sub
 
+    def speaker(p):
+        p.add_argument("--as", dest="role", default="human", help="human (default) or agent")
+        p.add_argument("--session", help="the agent session speaking (ses_… or agent:key; default $PINBOX_SESSION)")
+
     p = verb("pin", "create a pin from the terminal", "[options] <text>")
     p.add_argument("text", help="what is wrong (quote it; - reads it from stdin)")
     p.add_argument("--file", metavar="path[:line]", help="anchor the pin to a source file")
@@ -2481,15 +2481,13 @@ def build_parser():
     p = verb("reply", "add a thread message to a pin", "[options] <id> <text>")
     p.add_argument("id")
     p.add_argument("text", help="the message (quote it; - reads it from stdin)")
-    p.add_argument("--as", dest="role", default="human", help="human (default) or agent")
-    p.add_argument("--session", help="the agent session speaking (ses_… or agent:key; default $PINBOX_SESSION)")
+    speaker(p)
     p.set_defaults(run=cmd_reply)
 
     p = verb("resolve", "mark a pin resolved", "[options] <id>")
     p.add_argument("id")
     p.add_argument("--note", help="what was done")
-    p.add_argument("--as", dest="role", default="human", help="human (default) or agent")
-    p.add_argument("--session", help="the agent session speaking (ses_… or agent:key; default $PINBOX_SESSION)")
+    speaker(p)
     p.set_defaults(run=cmd_resolve)
 
     p = verb("reopen", "reject a fix: open a resolved pin again", "[options] <id>")

@@ -112,6 +112,18 @@ class PinboxCase(unittest.TestCase):
         out = b"".join(chunks).decode().replace("\r\n", "\n")
         return Result(proc.returncode, out, err)
 
+    def lock_store(self, seconds=10):
+        """Another process holds the store's write lock for `seconds`."""
+        holder = subprocess.Popen([sys.executable, "-c", (
+            "import sqlite3, time\n"
+            "c = sqlite3.connect(%r, isolation_level=None)\n"
+            "c.execute('BEGIN EXCLUSIVE'); print('locked', flush=True); time.sleep(%d)") % (self.db_path, seconds)],
+            stdout=subprocess.PIPE)
+        self.addCleanup(holder.wait)
+        self.addCleanup(holder.kill)
+        self.assertEqual(holder.stdout.readline(), b"locked\n")
+        return holder
+
     def pin(self, text="Save button is clipped", *flags):
         return self.ok("pin", text, *flags)
 
@@ -859,13 +871,7 @@ class TestHooksFailOpen(HookCase):
     def test_a_database_locked_by_another_writer(self):
         self.register("k1")
         self.pin()
-        holder = subprocess.Popen([sys.executable, "-c", (
-            "import sqlite3, time\n"
-            "c = sqlite3.connect(%r, isolation_level=None)\n"
-            "c.execute('BEGIN EXCLUSIVE'); print('locked', flush=True); time.sleep(10)") % self.db_path],
-            stdout=subprocess.PIPE)
-        self.addCleanup(holder.kill)
-        self.assertEqual(holder.stdout.readline(), b"locked\n")
+        self.lock_store()
         self.assert_quiet()
 
     def test_a_corrupt_database(self):
@@ -978,13 +984,7 @@ class TestCommitResolution(PinboxCase):
         pin = self.pin()
         _, baseline = self.commit("warm-up")
         # Locked: another writer holds the write lock for 10 s.
-        holder = subprocess.Popen([sys.executable, "-c", (
-            "import sqlite3, sys, time\n"
-            "c = sqlite3.connect(%r, isolation_level=None)\n"
-            "c.execute('BEGIN EXCLUSIVE'); print('locked', flush=True); time.sleep(10)") % self.db_path],
-            stdout=subprocess.PIPE)
-        self.addCleanup(holder.kill)
-        self.assertEqual(holder.stdout.readline(), b"locked\n")
+        holder = self.lock_store()
         done, elapsed = self.commit("Fixes: %s" % pin["id"])
         self.assertLess(elapsed - baseline, 1.0)
         self.assertEqual(len(done.stderr.decode().strip().splitlines()), 1, done.stderr)  # one line at most
