@@ -180,6 +180,17 @@ def store_dir(root):
     return os.environ.get("PINBOX_DIR") or os.path.join(root, ".pinbox")
 
 
+def state_dir(root):
+    import hashlib
+    base = os.environ.get("XDG_STATE_HOME") or (
+        os.path.join(os.environ["HOME"], ".local", "state") if os.environ.get("HOME") else None)
+    if not base:
+        raise PinboxError("E_INTERNAL", "cannot locate the state dir: neither XDG_STATE_HOME nor HOME is set",
+                          "set HOME (or XDG_STATE_HOME) and retry")
+    project_id = hashlib.sha256(os.path.realpath(root).encode("utf-8", "surrogateescape")).hexdigest()[:12]
+    return os.path.join(base, "pinbox", project_id)
+
+
 # Versions are append-only. 1-4 are the original pinbox's, so its databases open here
 # unchanged; 5 stays unused as it does there.
 MIGRATIONS = {
@@ -1242,6 +1253,1097 @@ def resolve_from_commit(store, ids, sha, by):
                 raise
             skipped.append(pin_id)
     return resolved, skipped
+
+# ============================================================================
+# Hub: the request router
+# ============================================================================
+
+# The router is pure: a Request in, a Response out, no sockets. The server shell below
+# feeds it, and serves the two long-lived routes (/stream, /ws) itself.
+
+JSON_BODY_LIMIT = 1024 * 1024
+ATTACHMENT_LIMIT = 5 * 1024 * 1024
+HTTP_STATUS = {"E_INVALID_INPUT": 400, "E_AUTH": 401, "E_FORBIDDEN": 403, "E_NOT_FOUND": 404,
+               "E_CONFLICT": 409, "E_ATTACHMENT": 413, "E_SESSION_BUSY": 429, "E_CONNECTOR": 502,
+               "E_HUB_UNREACHABLE": 503}
+PAGE_LIMIT = 1000
+MEDIA_TYPES = {"image/png": "png", "image/webp": "webp", "image/jpeg": "jpg", "image/gif": "gif",
+               "text/plain": "txt"}
+
+
+class Request:
+    def __init__(self, method, path, query=None, headers=None, body=b""):
+        self.method, self.path, self.body = method, path, body
+        self.query = query or {}
+        self.headers = {k.lower(): v for k, v in (headers or {}).items()}
+
+    def json(self):
+        try:
+            value = json.loads(self.body.decode("utf-8")) if self.body else None
+        except (UnicodeDecodeError, ValueError):
+            value = None
+        if not isinstance(value, dict):
+            raise invalid("request body is not valid JSON", "send a JSON object with content-type: application/json")
+        return value
+
+
+class Response:
+    def __init__(self, status, data=None, error=None, raw=None, content_type="application/json"):
+        self.status, self.content_type = status, content_type
+        if raw is not None:
+            self.body = raw if isinstance(raw, bytes) else raw.encode("utf-8")
+        elif error is not None:
+            self.body = dumps_compact(error.envelope()).encode("utf-8")
+        else:
+            self.body = dumps_compact({"ok": True, "data": data}).encode("utf-8")
+
+
+def error_response(err):
+    return Response(HTTP_STATUS.get(err.code, 500), error=err)
+
+
+# --- Validating what a page sends -------------------------------------------------
+# A spec is a type name, ("enum", values), ("list", spec) or ("map", spec), or a dict of
+# key -> (spec, required). Objects are rebuilt in spec order; unknown keys are dropped.
+
+RECT = {"x": ("number", True), "y": ("number", True), "width": ("number", True), "height": ("number", True)}
+TARGET_BASE = {
+    "url": ("string", False), "selector": ("string", False), "tag": ("string", False), "rect": (RECT, False),
+    "spot": ({"x": ("number", True), "y": ("number", True)}, False), "fixed": ("boolean", False),
+    "anchor": ("string", False),
+    "source": ({"file": ("string", True), "line": ("number", False), "via": (("enum", ("plugin", "framework", "none")),
+                                                                           True)}, False),
+    "context": ({"classes": (("list", "string"), False), "styles": (("map", "string"), False),
+                 "aria": (("map", "string"), False), "nearbyText": ("string", False),
+                 "selectedText": ("string", False), "textRuns": (("list", "string"), False)}, False)}
+TARGET = dict(TARGET_BASE, targets=(("list", TARGET_BASE), False))
+ENV = {"viewport": ({"w": ("number", True), "h": ("number", True), "dpr": ("number", True)}, False),
+       "browser": ("string", False), "os": ("string", False),
+       "colorScheme": (("enum", ("light", "dark")), False), "branch": ("string", False), "commit": ("string", False)}
+AUTHOR = {"userId": ("string", True), "name": ("string", False), "email": ("string", False)}
+SESSION_REF = {"agent": ("string", True), "key": ("string", True), "cwd": ("string", False)}
+ATTACHMENT = {"id": ("string", True), "kind": (("enum", ("screenshot", "file")), True), "path": ("string", False),
+              "url": ("string", False), "contentType": ("string", False), "width": ("integer", False),
+              "height": ("integer", False)}
+PIN_INPUT = {"text": ("string", True), "kind": (("enum", ("note", "move")), False), "target": (TARGET, False),
+             "move": ({"from": (RECT, True), "to": (RECT, True)}, False), "env": (ENV, False),
+             "author": (AUTHOR, True), "agentSession": (SESSION_REF, False),
+             "attachments": (("list", ATTACHMENT), False)}
+MESSAGE_INPUT = {"role": (("enum", ROLES), True), "text": ("string", True), "origin": ("string", False),
+                 "attachments": (("list", ATTACHMENT), False)}
+STRING_LIMIT = 8192  # any one string a page sends, text aside (64 KiB)
+
+
+def validate(value, spec, path=""):
+    where = path or "body"
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            raise invalid("%s: expected an object" % where)
+        out = {}
+        for key, (inner, required) in spec.items():
+            if key not in value or value[key] is None:
+                if required:
+                    raise invalid("%s: required" % (path + "." + key if path else key))
+                continue
+            out[key] = validate(value[key], inner, path + "." + key if path else key)
+        return out
+    if isinstance(spec, tuple):
+        kind, inner = spec
+        if kind == "enum":
+            if value not in inner:
+                raise invalid("%s: expected one of %s" % (where, ", ".join(inner)))
+            return value
+        if kind == "list":
+            if not isinstance(value, list) or len(value) > 100:
+                raise invalid("%s: expected a list (at most 100 items)" % where)
+            return [validate(item, inner, "%s.%d" % (where, i)) for i, item in enumerate(value)]
+        if not isinstance(value, dict) or len(value) > 100:
+            raise invalid("%s: expected an object (at most 100 keys)" % where)
+        return {str(k): validate(v, inner, "%s.%s" % (where, k)) for k, v in value.items()}
+    if spec == "string":
+        if not isinstance(value, str):
+            raise invalid("%s: expected a string" % where)
+        if len(value) > STRING_LIMIT and path not in ("text",):
+            raise invalid("%s: longer than %d characters" % (where, STRING_LIMIT))
+        return value
+    if spec == "boolean":
+        if not isinstance(value, bool):
+            raise invalid("%s: expected true or false" % where)
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (
+            float("inf"), float("-inf")) or abs(value) > 1e15:
+        raise invalid("%s: expected a finite number" % where)
+    if spec == "integer" and value % 1:
+        raise invalid("%s: expected a whole number" % where)
+    return int(value) if value % 1 == 0 else value
+
+
+# --- Routes ---------------------------------------------------------------------------
+
+def query_int(request, name, default, low=0, high=None):
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    if not raw.isdigit():
+        raise invalid("%s must be a whole number ≥ %d" % (name, low))
+    value = int(raw)
+    if value < low or (high is not None and value > high):
+        raise invalid("%s must be between %d and %d" % (name, low, high))
+    return value
+
+
+def pin_in_path(segment):
+    pin_id = normalize_id(segment)
+    return pin_id
+
+
+def route(hub, request):
+    """Answers one HTTP request (auth already checked by the shell)."""
+    try:
+        parts = [p for p in request.path.split("/") if p]
+        handler, args = _match(request.method, parts)
+        if handler is None:
+            raise PinboxError("E_NOT_FOUND", "no route: %s %s" % (request.method, request.path))
+        return handler(hub, request, *args)
+    except PinboxError as err:
+        return error_response(err)
+
+
+def _match(method, parts):
+    n = len(parts)
+    table = [
+        ("GET", ["health"], r_health), ("GET", ["summary"], r_summary), ("GET", ["events"], r_events),
+        ("GET", ["pins"], r_list_pins), ("POST", ["pins"], r_create_pin), ("GET", ["pins", "*"], r_get_pin),
+        ("GET", ["pins", "*", "thread"], r_get_thread), ("POST", ["pins", "*", "thread"], r_post_thread),
+        ("POST", ["pins", "*", "resolve"], r_resolve), ("POST", ["pins", "*", "verify"], r_verify),
+        ("POST", ["attachments"], r_attachment), ("GET", ["media", "*"], r_media),
+        ("GET", ["sessions"], r_list_sessions), ("POST", ["sessions"], r_register),
+        ("DELETE", ["sessions", "*"], r_end_session), ("POST", ["sessions", "*", "inject"], r_inject),
+        ("GET", ["sessions", "*", "pending"], r_pending), ("GET", ["deliveries"], r_deliveries),
+        ("GET", ["toolbar.js"], r_toolbar), ("GET", [], r_page),
+    ]
+    for verb, pattern, handler in table:
+        if verb == method and len(pattern) == n and all(p == "*" or p == q for p, q in zip(pattern, parts)):
+            return handler, [q for p, q in zip(pattern, parts) if p == "*"]
+    return None, []
+
+
+def r_health(hub, request):
+    return Response(200, {"version": VERSION, "schemaVersion": 1, "wsProtocol": 1})
+
+
+def r_summary(hub, request):
+    with hub.store() as store:
+        data = summary(store)
+    data["connectedToolbars"] = hub.connected()
+    return Response(200, data)
+
+
+def r_events(hub, request):
+    after = query_int(request, "after", 0)
+    limit = query_int(request, "limit", 500, 1, PAGE_LIMIT)
+    with hub.store() as store:
+        return Response(200, events_after(store, after, limit))
+
+
+def r_list_pins(hub, request):
+    status = request.query.get("status")
+    if status is not None and status not in PIN_STATUSES:
+        raise invalid('invalid status: "%s" (expected open or resolved)' % status)
+    search = request.query.get("search")
+    limit = query_int(request, "limit", PAGE_LIMIT * 5, 1, PAGE_LIMIT * 5)
+    with hub.store() as store:
+        pins = list_pins(store, None if search else status, search) if search else list_pins(store, status)
+    return Response(200, pins[:limit])
+
+
+def r_create_pin(hub, request):
+    fields = validate(request.json(), PIN_INPUT)
+    if not fields["text"].strip():
+        raise invalid("text: must not be empty")
+    fields.setdefault("env", {})
+    fields["env"].update(hub.git_stamp())
+    with hub.store() as store:
+        pin = create_pin(store, fields)
+    hub.changed()
+    return Response(201, pin)
+
+
+def r_get_pin(hub, request, pin_id):
+    with hub.store() as store:
+        return Response(200, get_pin(store, pin_id))
+
+
+def r_get_thread(hub, request, pin_id):
+    with hub.store() as store:
+        pin = get_pin(store, pin_id)
+        return Response(200, get_thread(store, pin["id"]))
+
+
+def r_post_thread(hub, request, pin_id):
+    body = validate(request.json(), MESSAGE_INPUT)
+    with hub.store() as store:
+        message = add_message(store, pin_id, body["role"], body["text"], origin=body.get("origin"),
+                              attachments=body.get("attachments"),
+                              session=hub.caller_session(store, request) if body["role"] == "agent" else None)
+    hub.changed()
+    return Response(201, message)
+
+
+def r_resolve(hub, request, pin_id):
+    body = validate(request.json(), {"by": (("enum", ("human", "agent")), True), "note": ("string", False),
+                                     "commit": ("string", False)})
+    with hub.store() as store:
+        pin = resolve_pin(store, pin_id, body["by"], body.get("note"), body.get("commit"))
+    hub.changed()
+    return Response(200, pin)
+
+
+def r_verify(hub, request, pin_id):
+    body = validate(request.json(), {"outcome": (("enum", ("accepted", "reopened")), True), "note": ("string", False)})
+    with hub.store() as store:
+        pin = verify_pin(store, pin_id, body["outcome"], body.get("note"))
+    hub.changed()
+    return Response(200, pin)
+
+
+def r_attachment(hub, request):
+    kind = request.query.get("kind")
+    if kind not in ("screenshot", "file"):
+        raise invalid("kind must be screenshot or file", "POST /attachments?kind=screenshot")
+    content_type = (request.headers.get("content-type") or "").strip()
+    if not content_type:
+        raise invalid("content-type header is required", "send the attachment's MIME type, e.g. content-type: image/webp")
+    if len(request.body) > ATTACHMENT_LIMIT:
+        raise PinboxError("E_ATTACHMENT", "attachment exceeds %d bytes" % ATTACHMENT_LIMIT,
+                          "attachments are capped at 5 MB; downscale or compress before uploading")
+    essence = content_type.split(";")[0].strip().lower()
+    attachment_id = new_id("att")
+    # The name is the server's own: nothing the page sends reaches the file system.
+    name = "%s.%s" % (attachment_id, MEDIA_TYPES.get(essence, "bin"))
+    folder = os.path.join(hub.directory, "media")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    with open(path, "xb") as handle:
+        handle.write(request.body)
+    attachment = {"id": attachment_id, "kind": kind, "path": path, "url": "/media/" + name, "contentType": essence}
+    return Response(201, {"attachment": attachment})
+
+
+def r_media(hub, request, name):
+    import re
+    if not re.match(r"^att_[a-z0-9]{10}\.[a-z]{3,4}$", name):
+        raise PinboxError("E_NOT_FOUND", "no such attachment")
+    path = os.path.join(hub.directory, "media", name)
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+    except OSError:
+        raise PinboxError("E_NOT_FOUND", "no such attachment")
+    kind = {v: k for k, v in MEDIA_TYPES.items()}.get(name.rsplit(".", 1)[1], "application/octet-stream")
+    return Response(200, raw=data, content_type=kind)
+
+
+def r_list_sessions(hub, request):
+    with hub.store() as store:
+        return Response(200, list_sessions(store))
+
+
+def r_register(hub, request):
+    ref = validate(request.json(), SESSION_REF)
+    with hub.store() as store, store.guard(), store.write() as conn:
+        session, created = upsert_session(conn, ref["agent"], ref["key"], ref.get("cwd"))
+        claim_unassigned(conn, session)
+    return Response(201 if created else 200, session)
+
+
+def _session_or_404(conn, session_id):
+    session = lookup_session(conn, session_id)
+    if session is None:
+        raise PinboxError("E_NOT_FOUND", "session not found: %s" % session_id)
+    return session
+
+
+def r_end_session(hub, request, session_id):
+    with hub.store() as store, store.guard(), store.write() as conn:
+        session = _session_or_404(conn, session_id)
+        if request.query.get("forget") in ("1", "true"):
+            forget_session(conn, session)
+        else:
+            session = end_session(conn, session)
+    return Response(200, session)
+
+
+def r_inject(hub, request, session_id):
+    with hub.store() as store:
+        with store.guard():
+            session = _session_or_404(store.conn, session_id)
+        session, pins, arrivals, delivered = pull_for_session(store, session["agent"], session["key"])
+    return Response(200, {"context": injection_context(pins, arrivals), "pins": pins, "delivered": delivered})
+
+
+def r_pending(hub, request, session_id):
+    with hub.store() as store:
+        with store.guard():
+            session = _session_or_404(store.conn, session_id)
+        pins = peek_pending(store, session["agent"], session["key"])
+    return Response(200, {"count": len(pins), "pins": pins})
+
+
+def r_deliveries(hub, request):
+    limit = query_int(request, "limit", 200, 1, PAGE_LIMIT)
+    with hub.store() as store, store.guard():
+        rows = store.conn.execute(
+            "SELECT d.id, d.event_seq, e.type, d.session_id, d.adapter, d.status, d.attempts, d.due_at, "
+            "d.last_error, d.updated_at FROM deliveries d JOIN events e ON e.seq = d.event_seq "
+            "WHERE d.status != 'skipped' ORDER BY d.id DESC LIMIT ?", (limit,)).fetchall()
+    keys = ("id", "eventSeq", "event", "session", "adapter", "status", "attempts", "dueAt", "lastError", "updatedAt")
+    return Response(200, [dict(zip(keys, row)) for row in rows])
+
+
+def r_toolbar(hub, request):
+    return Response(200, raw=TOOLBAR_JS, content_type="application/javascript; charset=utf-8")
+
+
+def r_page(hub, request):
+    return Response(200, raw=PAGE_HTML, content_type="text/html; charset=utf-8")
+
+
+TOOLBAR_JS = "/* pinbox toolbar: see below */"
+
+PAGE_HTML = """<!doctype html>
+<meta charset="utf-8"><title>pinbox</title>
+<style>
+body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#1f2430}
+h1{font-size:1.3em}h2{font-size:1.1em;margin-top:2em}
+table{border-collapse:collapse;width:100%}td,th{border-bottom:1px solid #ddd;padding:4px 8px;text-align:left;
+vertical-align:top}th{background:#f5f5f5}.resolved{color:#2e7d32}.open{color:#b26a00}.failed{color:#c62828}
+.thread{color:#555;font-size:.9em;white-space:pre-wrap}#err{color:#c62828}
+</style>
+<h1>pinbox</h1><p id="err"></p>
+<h2>Pins</h2><table id="pins"><tr><th>#</th><th>id</th><th>status</th><th>where</th><th>text and thread</th></tr></table>
+<h2>Sessions</h2><table id="sessions"><tr><th>id</th><th>agent</th><th>key</th><th>state</th><th>last seen</th>
+<th>cwd</th></tr></table>
+<h2>Deliveries</h2><table id="deliveries"><tr><th>id</th><th>event</th><th>session</th><th>adapter</th><th>state</th>
+<th>attempts</th><th>last error</th></tr></table>
+<script>
+"use strict";
+const token = new URLSearchParams(location.hash.slice(1)).get("token") || "";
+async function get(path) {
+  const r = await fetch(path, {headers: {authorization: "Bearer " + token}});
+  const body = await r.json();
+  if (!body.ok) throw new Error(body.error.message + (body.error.hint ? " — " + body.error.hint : ""));
+  return body.data;
+}
+function row(table, cells, cls) {
+  const tr = document.getElementById(table).insertRow();
+  for (const c of cells) { const td = tr.insertCell(); td.textContent = c == null ? "" : String(c); }
+  if (cls) tr.className = cls;
+  return tr;
+}
+async function load() {
+  try {
+    const [pins, sessions, deliveries] = await Promise.all([get("/pins"), get("/sessions"), get("/deliveries")]);
+    for (const t of ["pins", "sessions", "deliveries"]) {
+      const el = document.getElementById(t); while (el.rows.length > 1) el.deleteRow(1);
+    }
+    for (const p of pins) {
+      const t = p.target || {};
+      const tr = row("pins", [p.n, p.id, p.status, t.selector || t.url || (t.source && t.source.file) || "", p.text],
+                     p.status);
+      get("/pins/" + p.id + "/thread").then(msgs => {
+        if (!msgs.length) return;
+        const div = document.createElement("div"); div.className = "thread";
+        div.textContent = msgs.map(m => m.role + ": " + m.text).join("\n");
+        tr.cells[4].appendChild(div);
+      });
+    }
+    for (const s of sessions) row("sessions", [s.id, s.agent, s.key, s.endedAt ? "ended" : "live", s.lastSeenAt, s.cwd]);
+    for (const d of deliveries) row("deliveries", [d.id, d.event, d.session || "(waiting)", d.adapter, d.status,
+                                                   d.attempts, d.lastError], d.status);
+    document.getElementById("err").textContent = "";
+  } catch (e) { document.getElementById("err").textContent = String(e.message || e); }
+}
+load(); setInterval(load, 5000);
+</script>
+"""
+
+
+# ============================================================================
+# Hub: the server shell
+# ============================================================================
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+PUBLIC_ROUTES = (("GET", "/health"), ("GET", "/toolbar.js"), ("GET", "/"))
+TOKEN_IN_QUERY = ("/stream", "/ws")  # EventSource and WebSocket cannot send headers
+MAX_CONNECTIONS = 512
+
+
+def host_is_loopback(value):
+    """The host part of a Host or Origin value names this machine's loopback."""
+    from urllib.parse import urlsplit
+    if not value:
+        return False
+    try:
+        host = urlsplit(value if "//" in value else "//" + value).hostname
+    except ValueError:
+        return False
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
+class Hub:
+    """One project's hub: its store (a pool of connections), token, and the signal
+    that wakes open streams when an event is appended (by this process or any other)."""
+
+    def __init__(self, root, directory, token):
+        import threading
+        self.root, self.directory, self.token = root, directory, token
+        self.cond = threading.Condition()
+        self.last_seq = 0
+        self.streams = 0
+        self.toolbars = 0
+        self._pool = []
+        self._lock = threading.Lock()
+        self._stamp = None
+
+    def store(self):
+        """`with hub.store() as store:` — a connection from the pool, for one request."""
+        return _Borrowed(self)
+
+    def close(self):
+        with self._lock:
+            for store in self._pool:
+                store.close()
+            self._pool = []
+
+    def git_stamp(self):
+        return git_stamp(self.root)
+
+    def connected(self):
+        return self.toolbars
+
+    def count(self, name, delta):
+        with self._lock:
+            setattr(self, name, getattr(self, name) + delta)
+
+    def caller_session(self, store, request):
+        ref = request.headers.get("x-pinbox-session")
+        if not ref:
+            return None
+        with store.guard():
+            session = lookup_session(store.conn, ref)
+        return session["id"] if session else None
+
+    def changed(self):
+        """Wakes every open stream to look for new events."""
+        with self.cond:
+            self.cond.notify_all()
+
+    def watch(self, stop):
+        """Other processes (the CLI, hooks, git) write the store too: look for new events
+        every 50 ms and wake the streams when there are."""
+        while not stop.wait(0.05):
+            try:
+                with self.store() as store:
+                    seq = store.conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0]
+            except (PinboxError, sqlite3.Error):
+                continue
+            if seq != self.last_seq:
+                self.last_seq = seq
+                self.changed()
+
+    def wait_for_events(self, after, timeout):
+        """Events after `after`, waiting up to `timeout` seconds for one to appear."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.store() as store:
+                events = events_after(store, after, 200)
+            if events:
+                return events
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return []
+            with self.cond:
+                self.cond.wait(min(left, 1.0))
+
+
+class _Borrowed:
+    def __init__(self, hub):
+        self.hub = hub
+
+    def __enter__(self):
+        with self.hub._lock:
+            self.store = self.hub._pool.pop() if self.hub._pool else None
+        if self.store is None:
+            self.store = Store(self.hub.directory)
+        return self.store
+
+    def __exit__(self, *exc):
+        if self.store.conn is not None and self.store.conn.in_transaction:
+            self.store.conn.execute("ROLLBACK")
+        with self.hub._lock:
+            self.hub._pool.append(self.store)
+        return False
+
+
+def make_handler(hub, activity):
+    """The HTTP handler class: the security checks, body limits and CORS every request
+    passes, then the router; /stream and /ws are served here (they stay open)."""
+    import http.server
+    from urllib.parse import urlsplit, parse_qsl
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "pinbox/" + VERSION
+        timeout = 30  # a client that stops sending mid-request is dropped
+
+        def log_message(self, *args):
+            pass  # nothing is logged: request lines carry tokens in query strings
+
+        def do_GET(self):
+            self.handle_one("GET")
+
+        def do_POST(self):
+            self.handle_one("POST")
+
+        def do_DELETE(self):
+            self.handle_one("DELETE")
+
+        def do_PUT(self):
+            self.handle_one("PUT")
+
+        def do_OPTIONS(self):
+            self.handle_one("OPTIONS")
+
+        def send(self, response, extra=()):
+            self.send_response(response.status)
+            self.send_header("Content-Type", response.content_type)
+            self.send_header("Content-Length", str(len(response.body)))
+            self.send_header("Cache-Control", "no-store")
+            for name, value in list(extra) + self.cors:
+                self.send_header(name, value)
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(response.body)
+
+        def refuse(self, status, err=None):
+            self.cors = []
+            self.send(Response(status, error=err) if err else Response(status, raw=b""))
+            self.close_connection = True
+
+        def handle_one(self, method):
+            activity.touch()
+            split = urlsplit(self.path)
+            path = split.path.rstrip("/") or "/"
+            query = dict(parse_qsl(split.query, keep_blank_values=True))
+            self.cors = []
+            # A page on another site, or a name that only rebinds to 127.0.0.1, gets nothing.
+            if not host_is_loopback(self.headers.get("Host")):
+                return self.refuse(403, PinboxError("E_FORBIDDEN", "Host must name the loopback"))
+            origin = self.headers.get("Origin")
+            if origin is not None:
+                if not host_is_loopback(origin):
+                    return self.refuse(403)
+                self.cors = [("Access-Control-Allow-Origin", origin), ("Vary", "Origin")]
+                if method == "OPTIONS":
+                    return self.send(Response(204, raw=b""), [
+                        ("Access-Control-Allow-Methods", "GET, POST, DELETE, OPTIONS"),
+                        ("Access-Control-Allow-Headers", "authorization, content-type, x-pinbox-session"),
+                        ("Access-Control-Max-Age", "600")])
+            if path == "/ws":
+                return serve_websocket(self, hub, query)
+            if (method, path) not in PUBLIC_ROUTES and not self.authorized(path, query):
+                return self.refuse(401, PinboxError("E_AUTH", "missing or invalid bearer token",
+                                                    "send Authorization: Bearer <token>; `pinbox serve` prints it"))
+            body = self.read_body(path)
+            if body is None:
+                return
+            if path == "/stream" and method == "GET":
+                return serve_stream(self, hub, query)
+            self.send(route(hub, Request(method, path, query, dict(self.headers), body)))
+
+        def discard(self, length):
+            while length > 0:
+                chunk = self.rfile.read(min(length, 65536))
+                if not chunk:
+                    break
+                length -= len(chunk)
+
+        def authorized(self, path, query):
+            import hmac
+            header = self.headers.get("Authorization") or ""
+            offered = header[7:] if header.startswith("Bearer ") else None
+            if offered is None and (path in TOKEN_IN_QUERY or path.startswith("/media/")):
+                offered = query.get("token")
+            return offered is not None and hmac.compare_digest(offered.encode(), hub.token.encode())
+
+        def read_body(self, path):
+            """The request body within its limit (1 MiB of JSON, 5 MiB of attachment);
+            None when the request was refused."""
+            if self.headers.get("Transfer-Encoding"):
+                self.refuse(411, invalid("send a Content-Length (chunked bodies are not accepted)"))
+                return None
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if length < 0:
+                self.refuse(400, invalid("Content-Length is not a number"))
+                return None
+            limit = ATTACHMENT_LIMIT if path == "/attachments" else JSON_BODY_LIMIT
+            if length > limit:
+                err = (PinboxError("E_ATTACHMENT", "attachment exceeds %d bytes" % ATTACHMENT_LIMIT,
+                                   "attachments are capped at 5 MB; downscale or compress before uploading")
+                       if path == "/attachments" else
+                       invalid("request body exceeds %d bytes" % JSON_BODY_LIMIT, "JSON bodies are capped at 1 MiB"))
+                if length <= 2 * limit:  # a modest overshoot is read and dropped, so the client sees the 413
+                    self.discard(length)
+                self.refuse(413, err)
+                return None
+            body = self.rfile.read(length) if length else b""
+            if len(body) < length:
+                self.close_connection = True
+                return None  # the client went away mid-body
+            return body
+
+    return Handler
+
+
+def serve_stream(handler, hub, query):
+    """Server-Sent Events: every event after `after`, then each new one as it lands."""
+    try:
+        after = int(query.get("after") or 0)
+    except ValueError:
+        after = 0
+    handler.send_response(200)
+    handler.send_header("Content-Type", "text/event-stream")
+    handler.send_header("Cache-Control", "no-store")
+    for name, value in handler.cors:
+        handler.send_header(name, value)
+    handler.end_headers()
+    handler.close_connection = True
+    handler.connection.settimeout(None)
+    hub.count("streams", 1)
+    quiet_since = time.monotonic()
+    try:
+        while not hub.stopping.is_set() and not peer_closed(handler.connection):
+            events = hub.wait_for_events(after, 1.0)
+            for event in events:
+                handler.wfile.write(("id: %d\ndata: %s\n\n" % (event["seq"], dumps_compact(event))).encode("utf-8"))
+                after = event["seq"]
+            if events or time.monotonic() - quiet_since > 15:
+                if not events:
+                    handler.wfile.write(b": keepalive\n\n")
+                handler.wfile.flush()
+                quiet_since = time.monotonic()
+    except (OSError, ValueError):
+        pass  # the page went away
+    finally:
+        hub.count("streams", -1)
+
+
+def peer_closed(sock):
+    """Whether the client hung up (a stream's client never sends after its request)."""
+    import select
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket_peek()) == b""
+    except (OSError, ValueError):
+        return True
+
+
+def socket_peek():
+    import socket
+    return socket.MSG_PEEK
+
+
+class WebSocket:
+    """Just enough RFC 6455 for the original toolbar's protocol: text frames, ping/pong,
+    close with a code; client frames over 64 KiB close the socket."""
+    MAX_FRAME = 64 * 1024
+
+    def __init__(self, sock, rfile):
+        import threading
+        self.sock, self.rfile = sock, rfile
+        self.send_lock = threading.Lock()
+        self.closed = False
+
+    def send(self, opcode, payload=b""):
+        import struct
+        if isinstance(payload, str):
+            payload = payload.encode("utf-8")
+        n = len(payload)
+        head = bytes([0x80 | opcode]) + (bytes([n]) if n < 126 else
+                                         struct.pack("!BH", 126, n) if n < 65536 else struct.pack("!BQ", 127, n))
+        with self.send_lock:
+            if self.closed and opcode != 0x8:
+                return
+            self.sock.sendall(head + payload)
+
+    def send_json(self, value):
+        self.send(0x1, dumps_compact(value))
+
+    def close(self, code, reason=""):
+        import struct
+        try:
+            self.send(0x8, struct.pack("!H", code) + reason.encode("utf-8"))
+        except OSError:
+            pass
+        self.closed = True
+
+    def receive(self):
+        """(opcode, payload) of the next client frame; None when the peer is gone."""
+        import struct
+        head = self.rfile.read(2)
+        if len(head) < 2:
+            return None
+        opcode, masked, n = head[0] & 0x0F, head[1] & 0x80, head[1] & 0x7F
+        if n == 126:
+            n = struct.unpack("!H", self.rfile.read(2))[0]
+        elif n == 127:
+            n = struct.unpack("!Q", self.rfile.read(8))[0]
+        if n > self.MAX_FRAME or not masked:
+            self.close(1009 if masked else 1002, "frame refused")
+            return None
+        mask = self.rfile.read(4)
+        data = bytearray(self.rfile.read(n))
+        if len(data) < n or len(mask) < 4:
+            return None
+        for i in range(n):
+            data[i] ^= mask[i % 4]
+        return opcode, bytes(data)
+
+
+def event_frame(event):
+    return {"type": "event", "seq": event["seq"], "eventType": event["type"], "at": event["at"],
+            "payload": event["payload"]}
+
+
+def serve_websocket(handler, hub, query):
+    """The original toolbar's live protocol (version 1): hello, catch-up, event frames;
+    4401 for a bad token, 4400 for a bad or missing hello."""
+    import base64
+    import hashlib
+    import hmac
+    import threading
+    key = handler.headers.get("Sec-WebSocket-Key")
+    if (handler.headers.get("Upgrade") or "").lower() != "websocket" or not key:
+        return handler.refuse(400, invalid("websocket upgrade failed"))
+    offered = [p.strip() for p in (handler.headers.get("Sec-WebSocket-Protocol") or "").split(",") if p.strip()]
+    chosen = next((p for p in offered if p.startswith("pinbox.token.")), None)
+    token = chosen[len("pinbox.token."):] if chosen else query.get("token")
+    accept = base64.b64encode(hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest())
+    handler.send_response(101)
+    handler.send_header("Upgrade", "websocket")
+    handler.send_header("Connection", "Upgrade")
+    handler.send_header("Sec-WebSocket-Accept", accept.decode())
+    if chosen:
+        handler.send_header("Sec-WebSocket-Protocol", chosen)  # browsers drop a socket without the echo
+    handler.end_headers()
+    handler.close_connection = True
+    handler.connection.settimeout(None)  # a toolbar sends nothing after its hello, for hours
+    ws = WebSocket(handler.connection, handler.rfile)
+    if not token or not hmac.compare_digest(token.encode(), hub.token.encode()):
+        return ws.close(4401, "missing or invalid token")
+    hello = threading.Event()
+    state = {"after": None}
+
+    def read():
+        while not ws.closed:
+            try:
+                frame = ws.receive()
+            except (OSError, ValueError):
+                frame = None
+            if frame is None:
+                break
+            opcode, data = frame
+            if opcode == 0x8:
+                break
+            if opcode == 0x9:
+                ws.send(0xA, data)
+                continue
+            if opcode != 0x1:
+                continue
+            if hello.is_set():
+                ws.send_json({"type": "error", "code": "E_WS_PROTOCOL",
+                              "message": "unexpected client frame: no client messages exist after hello"})
+                continue
+            try:
+                message = json.loads(data.decode("utf-8"))
+                ok = (isinstance(message, dict) and message.get("type") == "hello"
+                      and isinstance(message.get("protocol"), int) and message["protocol"] >= 1
+                      and isinstance(message.get("consumerId"), str) and message["consumerId"]
+                      and isinstance(message.get("lastSeq"), int) and message["lastSeq"] >= 0)
+            except ValueError:
+                ok = False
+            if not ok:
+                ws.send_json({"type": "error", "code": "E_WS_PROTOCOL", "message": "malformed hello"})
+                ws.close(4400, "malformed hello")
+                break
+            state["after"], state["consumer"] = message["lastSeq"], message["consumerId"]
+            hello.set()
+        ws.closed = True
+        hub.changed()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    if not hello.wait(5.0):
+        if not ws.closed:
+            ws.close(4400, "no hello within deadline")
+        return
+    hub.count("toolbars", 1)
+    try:
+        with hub.store() as store:
+            last = store.conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0]
+            backlog = events_after(store, state["after"], 500)
+            with store.guard(), store.write() as conn:
+                conn.execute("INSERT INTO cursors(consumer_id, last_seq, updated_at) VALUES (?, ?, ?) "
+                             "ON CONFLICT(consumer_id) DO UPDATE SET last_seq = excluded.last_seq, "
+                             "updated_at = excluded.updated_at", (state["consumer"], state["after"], iso_time()))
+        ws.send_json({"type": "catch-up", "protocol": 1, "minProtocol": 1, "lastSeq": last,
+                      "events": [event_frame(e) for e in backlog]})
+        after = backlog[-1]["seq"] if backlog else state["after"]
+        while not ws.closed and not hub.stopping.is_set():
+            for event in hub.wait_for_events(after, 1.0):
+                ws.send_json(event_frame(event))
+                after = event["seq"]
+    except (OSError, PinboxError):
+        pass
+    finally:
+        hub.count("toolbars", -1)
+        ws.closed = True
+
+
+class Activity:
+    """When the hub last had a request: it exits after PINBOX_IDLE_MS without one, unless
+    a page still has a stream or socket open."""
+
+    def __init__(self):
+        self.last = time.monotonic()
+
+    def touch(self):
+        self.last = time.monotonic()
+
+    def idle_for(self):
+        return time.monotonic() - self.last
+
+
+def hub_files(root):
+    """(state dir, hub.json, token file, last port file, lock file, server.json)."""
+    state = state_dir(root)
+    return (state, os.path.join(state, "hub.json"), os.path.join(state, "token"), os.path.join(state, "port"),
+            os.path.join(state, "hub.lock"), os.path.join(store_dir(root), "server.json"))
+
+
+def write_private(path, text):
+    """A file only its owner can read (0600, in a 0700 folder), replaced atomically."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    os.chmod(folder, 0o700)
+    tmp = "%s.tmp-%d" % (path, os.getpid())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def project_token(token_path):
+    """The project's bearer token: made once, kept across restarts, so a script tag
+    pasted into a page keeps working."""
+    import secrets
+    try:
+        with open(token_path) as handle:
+            token = handle.read().strip()
+        if len(token) >= 32:
+            return token
+    except OSError:
+        pass
+    token = secrets.token_urlsafe(24)
+    write_private(token_path, token + "\n")
+    return token
+
+
+def read_hub_json(path):
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+        if isinstance(data.get("pid"), int) and isinstance(data.get("port"), int) and isinstance(data.get("token"), str):
+            return data
+    except (OSError, ValueError, AttributeError):
+        pass
+    return None
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def running_hub(root):
+    """hub.json of a hub that is alive for this project, or None."""
+    data = read_hub_json(hub_files(root)[1])
+    return data if data and pid_alive(data["pid"]) else None
+
+
+def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
+    """Runs the hub until idle, SIGTERM or SIGINT. Returns an exit status; a second hub
+    for the same project finds the lock held and says where the first one is."""
+    import fcntl
+    import signal
+    import threading
+    import http.server
+    state, hub_json, token_path, port_path, lock_path, server_json = hub_files(root)
+    os.makedirs(state, mode=0o700, exist_ok=True)
+    lock = open(lock_path, "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        deadline = time.monotonic() + 3
+        other = running_hub(root)
+        while other is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            other = running_hub(root)
+        return "already", other
+    directory = store_dir(root)
+    Store(directory).close()  # made (and migrated) before the first request
+    token = project_token(token_path)
+    hub = Hub(root, directory, token)
+    hub.stopping = threading.Event()
+    activity = Activity()
+    wanted = port
+    if wanted is None:
+        try:
+            with open(port_path) as handle:
+                wanted = int(handle.read().strip())
+        except (OSError, ValueError):
+            wanted = 0
+
+    class Server(http.server.ThreadingHTTPServer):
+        daemon_threads = True
+        request_queue_size = 256
+
+        def __init__(self, *args):
+            self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+            super().__init__(*args)
+
+        def process_request(self, request, client_address):
+            # Past the connection limit a client gets a 503 at once, not a hang.
+            if not self.slots.acquire(blocking=False):
+                try:
+                    request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                                    b"Connection: close\r\nRetry-After: 1\r\n\r\n")
+                finally:
+                    self.shutdown_request(request)
+                return
+            super().process_request(request, client_address)
+
+        def process_request_thread(self, request, client_address):
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                self.slots.release()
+
+    handler = make_handler(hub, activity)
+    try:
+        server = Server(("127.0.0.1", wanted or 0), handler)
+    except OSError:
+        server = Server(("127.0.0.1", 0), handler)  # the old port is taken: any free one
+    bound = server.server_address[1]
+    write_private(port_path, "%d\n" % bound)
+    write_private(hub_json, json.dumps({"pid": os.getpid(), "port": bound, "token": token, "version": VERSION},
+                                       indent=2) + "\n")
+    with open(server_json, "w") as handle:
+        handle.write(json.dumps({"port": bound}, indent=2) + "\n")
+    stop = threading.Event()
+
+    def shut_down(*_):
+        if not stop.is_set():
+            stop.set()
+            hub.stopping.set()
+            hub.changed()
+            threading.Thread(target=server.shutdown, daemon=True).start()
+
+    def idle_watch():
+        idle = env_number("PINBOX_IDLE_MS", 1800000) / 1000.0
+        while not stop.wait(0.2):
+            if hub.streams or hub.toolbars:
+                activity.touch()
+            elif activity.idle_for() > idle:
+                shut_down()
+
+    signal.signal(signal.SIGTERM, shut_down)
+    signal.signal(signal.SIGINT, shut_down)
+    threading.Thread(target=hub.watch, args=(stop,), daemon=True).start()
+    threading.Thread(target=idle_watch, daemon=True).start()
+    if ready:
+        ready(bound, token)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        server.server_close()
+        current = read_hub_json(hub_json)
+        if current and current["pid"] == os.getpid():
+            for path in (hub_json, server_json):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        hub.close()
+        lock.close()
+    return "stopped", None
+
+
+def ensure_hub(root):
+    """Starts the project's hub in the background when none runs (so the page toolbar
+    and push delivery work whenever someone works here), without waiting for it. Its
+    own session, stdin from /dev/null, output to .pinbox/hub.log: never the caller's
+    pipes, which an agent waits on."""
+    if os.environ.get("PINBOX_NO_SPAWN") or running_hub(root):
+        return None
+    directory = store_dir(root)
+    if not os.path.exists(os.path.join(directory, "pinbox.db")):
+        return None
+    command = [sys.executable or "python3", "-I", "-S", self_path(), "serve", "--project", root]
+    if not os.path.isfile(self_path()):
+        return None
+    pid = os.fork()
+    if pid == 0:  # the child becomes the hub
+        try:
+            os.setsid()
+            null = os.open(os.devnull, os.O_RDONLY)
+            log = os.open(os.path.join(directory, "hub.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.dup2(null, 0)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            os.closerange(3, 256)
+            os.execv(command[0], command)
+        finally:
+            os._exit(127)
+    return pid
+
+
+def wait_for_hub(root, timeout=3.0):
+    """The running hub's hub.json once it answers /health, or None after `timeout`."""
+    from urllib.request import urlopen
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        data = running_hub(root)
+        if data:
+            try:
+                with urlopen("http://127.0.0.1:%d/health" % data["port"], timeout=0.5) as answer:
+                    if answer.status == 200:
+                        return data
+            except OSError:
+                pass
+        time.sleep(0.05)
+    return None
+
 
 # ============================================================================
 # Hook I/O and init installers
@@ -2383,15 +3485,23 @@ def doctor_checks(ctx):
     return checks
 
 
-def state_dir(root):
-    import hashlib
-    base = os.environ.get("XDG_STATE_HOME") or (
-        os.path.join(os.environ["HOME"], ".local", "state") if os.environ.get("HOME") else None)
-    if not base:
-        raise PinboxError("E_INTERNAL", "cannot locate the state dir: neither XDG_STATE_HOME nor HOME is set",
-                          "set HOME (or XDG_STATE_HOME) and retry")
-    project_id = hashlib.sha256(os.path.realpath(root).encode("utf-8", "surrogateescape")).hexdigest()[:12]
-    return os.path.join(base, "pinbox", project_id)
+def cmd_serve(ctx):
+    args = ctx.args
+    root = os.path.abspath(args.project) if args.project else ctx.root
+    terminal = sys.stdout.isatty()
+
+    def ready(port, token):
+        url = "http://127.0.0.1:%d" % port
+        write_err("pinbox hub for %s listening at %s (pid %d)\n" % (root, url, os.getpid()))
+        if terminal:  # the token goes to a person's terminal, never to a log file
+            write_out("Add the toolbar to a page:\n  <script src=\"%s/toolbar.js\" data-token=\"%s\"></script>\n"
+                      "See pins, sessions and deliveries: %s/#token=%s\n" % (url, token, url, token))
+
+    outcome, other = run_hub(root, args.port, ready=ready)
+    if outcome == "already":
+        where = "http://127.0.0.1:%d (pid %d)" % (other["port"], other["pid"]) if other else "(starting up)"
+        write_err("pinbox: a hub already runs for %s at %s\n" % (root, where))
+    return 0
 
 
 def cmd_doctor(ctx):
@@ -2503,6 +3613,11 @@ def build_parser():
 
     verb("doctor", "find out why a pin did not reach an agent").set_defaults(run=cmd_doctor)
 
+    p = verb("serve", "run the hub in the foreground (HTTP API, page toolbar, live updates)")
+    p.add_argument("--project", metavar="dir", help="project to serve (default: this one)")
+    p.add_argument("--port", type=int, help="port to bind on 127.0.0.1 (default: the last one, else any free)")
+    p.set_defaults(run=cmd_serve)
+
     p = verb("init", "set up pinbox in this project: .pinbox/, .gitignore, the post-commit hook", "[options]")
     p.add_argument("--dry-run", action="store_true", help="say what would change, change nothing")
     p.add_argument("--yes", action="store_true", help="accept the defaults without asking")
@@ -2612,7 +3727,12 @@ def run(argv=None, cwd=None):
             write_out(parser.top_help)
             return 0
         ctx = Context(args, out, cwd)
-        return args.run(ctx) or 0
+        code = args.run(ctx) or 0
+        # Every command in a project starts its hub, but the hub itself and the commit hook.
+        if (args.verb != "serve" and getattr(args, "session_verb", None) != "trailer"
+                and ctx._store is not None and ctx._store.exists):
+            ensure_hub(ctx.root)
+        return code
     except Exception as exc:
         err = as_pinbox_error(exc, ctx)
         if err.code == "E_INVALID_INPUT" and err.hint is None:
@@ -2659,6 +3779,8 @@ def run_hook(argv, cwd=None):
     try:
         ctx = Context(HookArgs(argv), Output(False), cwd, timeout=HOOK_TIMEOUT_S)
         ctx.args.run(ctx)
+        if ctx.args.run is not cmd_session_trailer and ctx._store is not None and ctx._store.exists:
+            ensure_hub(ctx.root)  # never waited for: the prompt goes on
     except BaseException as exc:  # noqa: B036 — even ^C must not fail a commit
         if not isinstance(exc, KeyboardInterrupt):
             write_err("pinbox: %s\n" % as_pinbox_error(exc, ctx).message)

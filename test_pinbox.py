@@ -8,12 +8,17 @@ Sections follow pinbox.py: constants and errors → store → pins and threads �
 trailers → CLI.
 """
 
+import base64
+import http.client
 import http.server
 import json
 import os
 import pty
 import shutil
+import signal
+import socket
 import sqlite3
+import struct
 import subprocess
 import sys
 import tempfile
@@ -1571,6 +1576,464 @@ class TestInitAgents(PinboxCase):
         self.assertEqual(data["agents"][0]["outcome"], "kept")
         self.assertIn("add these entries", data["agents"][0]["notes"][0])
         self.assertEqual(self.read(config), "hooks:\n  pre_tool_call:\n    - command: audit.sh\n")
+
+
+# ============================================================================
+# Hub
+# ============================================================================
+
+class HubCase(PinboxCase):
+    """A project with a store and a real `pinbox serve` on 127.0.0.1."""
+    IDLE_MS = "60000"
+
+    def setUp(self):
+        super().setUp()
+        git_commit(self.repo, "initial")
+        self.ok("init")
+        self.start_hub()
+
+    def start_hub(self, env=None):
+        env = dict(env or self.env, PINBOX_IDLE_MS=self.IDLE_MS)
+        self.proc = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=self.repo, env=env,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.addCleanup(self.stop_hub, self.proc)
+        self.hub = self.wait_hub_json(lambda data: data["pid"] == self.proc.pid)
+        self.port, self.token = self.hub["port"], self.hub["token"]
+
+    def stop_hub(self, proc):
+        if proc.poll() is None:
+            proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream:
+                stream.close()
+
+    @property
+    def state(self):
+        base = os.path.join(self.env["XDG_STATE_HOME"], "pinbox")
+        return os.path.join(base, os.listdir(base)[0])
+
+    def wait_hub_json(self, accept, timeout=10):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with open(os.path.join(self.state, "hub.json")) as handle:
+                    data = json.load(handle)
+                if accept(data):
+                    return data
+            except (OSError, ValueError, IndexError):
+                pass
+            time.sleep(0.05)
+        self.fail("no hub.json appeared")
+
+    def request(self, method, path, body=None, headers=None, token=True, raw=None, port=None):
+        conn = http.client.HTTPConnection("127.0.0.1", port or self.port, timeout=30)
+        sent = dict(headers or {})
+        if token:
+            sent.setdefault("Authorization", "Bearer %s" % (self.token if token is True else token))
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        if data is not None and raw is None:
+            sent.setdefault("Content-Type", "application/json")
+        conn.request(method, path, body=data, headers=sent)
+        answer = conn.getresponse()
+        payload = answer.read()
+        conn.close()
+        try:
+            parsed = json.loads(payload) if payload else None
+        except ValueError:
+            parsed = payload
+        return answer.status, parsed, {k.lower(): v for k, v in answer.getheaders()}
+
+    def api(self, method, path, body=None, status=200):
+        code, data, _ = self.request(method, path, body)
+        self.assertEqual(code, status, data)
+        self.assertIs(data["ok"], True, data)
+        return data["data"]
+
+    def api_error(self, method, path, body=None, status=400, code="E_INVALID_INPUT", **kw):
+        got, data, _ = self.request(method, path, body, **kw)
+        self.assertEqual(got, status, data)
+        self.assertEqual((data["ok"], data["error"]["code"]), (False, code), data)
+        return data["error"]
+
+    def post_pin(self, text="from the page", **extra):
+        return self.api("POST", "/pins", dict({"text": text, "author": {"userId": "c1"}}, **extra), 201)
+
+
+class TestHubApi(HubCase):
+    def test_health_and_auth(self):
+        code, data, _ = self.request("GET", "/health", token=False)
+        self.assertEqual((code, data), (200, {"ok": True, "data": {"version": pinbox.VERSION, "schemaVersion": 1,
+                                                                    "wsProtocol": 1}}))
+        for method, path in (("GET", "/pins"), ("GET", "/summary"), ("POST", "/pins"), ("GET", "/sessions"),
+                             ("GET", "/events"), ("GET", "/stream"), ("POST", "/attachments?kind=file")):
+            error = self.api_error(method, path, status=401, code="E_AUTH", token=False)
+            self.assertEqual(error["message"], "missing or invalid bearer token")
+            self.api_error(method, path, status=401, code="E_AUTH", token="wrong-token")
+        self.assertEqual(self.request("GET", "/toolbar.js", token=False)[0], 200)
+        self.assertEqual(self.request("GET", "/", token=False)[0], 200)
+
+    def test_pins_over_http(self):
+        head = git(self.repo, "rev-parse", "HEAD")
+        first = self.post_pin("Avatar is blurry", target={"url": "http://localhost:5173/", "selector": "#a",
+                                                          "rect": {"x": 1.0, "y": 2.5, "width": 3, "height": 4}},
+                              junk="dropped")
+        self.assertRegex(first["id"], PIN_ID)
+        self.assertEqual((first["status"], first["n"]), ("open", 1))
+        self.assertEqual(first["env"], {"branch": "main", "commit": head})
+        self.assertEqual(first["target"]["rect"], {"x": 1, "y": 2.5, "width": 3, "height": 4})
+        self.assertNotIn("junk", first)
+        self.api("POST", "/pins/%s/resolve" % first["id"], {"by": "human"})
+        second, third = self.post_pin("Button label"), self.post_pin("Footer")
+        self.assertEqual((second["n"], third["n"]), (2, 3))
+        self.assertEqual([p["id"] for p in self.api("GET", "/pins?status=open")], [third["id"], second["id"]])
+        self.assertEqual([p["id"] for p in self.api("GET", "/pins?status=resolved")], [first["id"]])
+        self.assertEqual([p["id"] for p in self.api("GET", "/pins?search=avatar")], [first["id"]])
+        self.assertEqual([p["id"] for p in self.api("GET", "/pins?search=avatar&status=open")], [first["id"]])
+        self.assertEqual(self.api("GET", "/pins?search=zebra"), [])
+        self.api_error("GET", "/pins?status=claimed")
+        self.assertEqual(self.api("GET", "/pins/%s" % second["id"])["text"], "Button label")
+
+    def test_bad_pin_bodies(self):
+        for body, field in (({"text": "", "author": {"userId": "u"}}, "text"), ({"text": "x"}, "author"),
+                            ({"text": 5, "author": {"userId": "u"}}, "text"),
+                            ({"text": "x", "author": {"userId": "u"}, "target": {"rect": {"x": 1}}}, "target.rect.y"),
+                            ({"text": "x", "author": {"userId": "u"}, "target": {"rect": {"x": 1e309, "y": 1,
+                                                                                           "width": 1, "height": 1}}},
+                             None),
+                            ({"text": "x", "author": {"userId": "u"}, "kind": "shout"}, "kind"),
+                            ({"text": "x" * (64 * 1024 + 1), "author": {"userId": "u"}}, None)):
+            error = self.api_error("POST", "/pins", body)
+            if field:
+                self.assertTrue(error["message"].startswith(field), error)
+        error = self.api_error("POST", "/pins", raw=b"{not json", headers={"Content-Type": "application/json"})
+        self.assertEqual(error["message"], "request body is not valid JSON")
+        self.assertEqual(self.api("GET", "/pins"), [])
+
+    def test_threads_resolve_verify_and_not_found(self):
+        pin = self.post_pin()
+        message = self.api("POST", "/pins/%s/thread" % pin["id"], {"role": "human", "text": "also on mobile",
+                                                                   "attachments": [{"id": "att_0000000001",
+                                                                                    "kind": "screenshot",
+                                                                                    "url": "/media/x.png"}]}, 201)
+        self.assertEqual((message["pinId"], message["role"]), (pin["id"], "human"))
+        self.assertEqual(self.api("GET", "/pins/%s/thread" % pin["id"])[0]["attachments"][0]["id"], "att_0000000001")
+        self.api_error("POST", "/pins/%s/thread" % pin["id"], {"role": "robot", "text": "x"})
+        self.api_error("POST", "/pins/pin_0000000000/thread", {"role": "robot", "text": "x"})  # body first
+        for method, path, body in (("GET", "/pins/pin_0000000000", None),
+                                   ("POST", "/pins/pin_0000000000/thread", {"role": "human", "text": "x"}),
+                                   ("POST", "/pins/pin_0000000000/resolve", {"by": "human"}),
+                                   ("GET", "/pins/pin_0000000000/thread", None)):
+            self.api_error(method, path, body, status=404, code="E_NOT_FOUND")
+        self.api_error("POST", "/pins/%s/verify" % pin["id"], {"outcome": "accepted"}, status=409, code="E_CONFLICT")
+        resolved = self.api("POST", "/pins/%s/resolve" % pin["id"], {"by": "agent", "note": "fixed", "commit": "abc"})
+        self.assertEqual(resolved["resolution"]["commit"], "abc")
+        self.api_error("POST", "/pins/%s/resolve" % pin["id"], {"by": "human"}, status=409, code="E_CONFLICT")
+        accepted = self.api("POST", "/pins/%s/verify" % pin["id"], {"outcome": "accepted"})
+        self.assertEqual((accepted["status"], accepted["verification"]["outcome"]), ("resolved", "accepted"))
+        self.assertEqual(self.api("POST", "/pins/%s/verify" % pin["id"], {"outcome": "reopened"})["status"], "open")
+        self.api_error("POST", "/pins/%s/verify" % pin["id"], {"outcome": "maybe"})
+        self.api_error("GET", "/nope", status=404, code="E_NOT_FOUND")
+        self.api_error("POST", "/summary", status=404, code="E_NOT_FOUND")
+
+    def test_events_and_summary(self):
+        a = self.post_pin()
+        self.api("POST", "/pins/%s/resolve" % a["id"], {"by": "human"})
+        events = self.api("GET", "/events")
+        self.assertEqual([e["type"] for e in events], ["pin.created", "pin.resolved"])
+        self.assertEqual([e["seq"] for e in self.api("GET", "/events?after=%d" % events[0]["seq"])], [events[1]["seq"]])
+        self.assertEqual(self.api("GET", "/events?after=%d" % events[1]["seq"]), [])
+        for bad in ("abc", "-1", "1.5"):
+            self.api_error("GET", "/events?after=" + bad)
+        self.post_pin()
+        self.api("POST", "/sessions", {"agent": "claude", "key": "s1"}, 201)
+        s2 = self.api("POST", "/sessions", {"agent": "claude", "key": "s2"}, 201)
+        self.api("DELETE", "/sessions/%s" % s2["id"])
+        self.assertEqual(self.api("GET", "/summary"), {"open": 1, "resolved": 1, "lastEventSeq": 3, "sessions": 1,
+                                                       "connectedToolbars": 0})
+
+    def test_sessions_over_http_route_pins(self):
+        s1 = self.api("POST", "/sessions", {"agent": "claude", "key": "s1", "cwd": self.repo}, 201)
+        self.assertEqual(self.api("POST", "/sessions", {"agent": "claude", "key": "s1"})["id"], s1["id"])
+        self.api_error("POST", "/sessions", {"agent": "claude"})
+        pin = self.post_pin()
+        self.assertEqual(self.ok("show", pin["id"])["pin"]["agentSession"], {"agent": "claude", "key": "s1",
+                                                                           "cwd": self.repo})
+        self.assertEqual(self.api("GET", "/sessions/%s/pending" % s1["id"])["count"], 1)
+        injected = self.api("POST", "/sessions/%s/inject" % s1["id"])
+        self.assertEqual((injected["delivered"], [p["id"] for p in injected["pins"]]), (1, [pin["id"]]))
+        self.assertIn(pin["id"], injected["context"])
+        self.assertEqual(self.api("GET", "/sessions/%s/pending" % s1["id"])["count"], 0)
+        ended = self.api("DELETE", "/sessions/%s" % s1["id"])
+        self.assertIn("endedAt", ended)
+        self.api("DELETE", "/sessions/%s" % s1["id"])
+        self.api_error("DELETE", "/sessions/ses_0000000000", status=404, code="E_NOT_FOUND")
+        self.api_error("POST", "/sessions/ses_0000000000/inject", status=404, code="E_NOT_FOUND")
+        self.api("DELETE", "/sessions/%s?forget=1" % s1["id"])
+        self.assertEqual(self.api("GET", "/sessions"), [])
+
+    def test_attachments(self):
+        image = b"RIFF\x00\x00\x00\x00WEBPVP8 fake image bytes"
+        code, data, _ = self.request("POST", "/attachments?kind=screenshot", raw=image,
+                                     headers={"Content-Type": "image/webp"})
+        self.assertEqual(code, 201, data)
+        attachment = data["data"]["attachment"]
+        self.assertTrue(attachment["path"].startswith(os.path.join(self.repo, ".pinbox", "media") + os.sep))
+        self.assertTrue(attachment["path"].endswith(".webp"))
+        with open(attachment["path"], "rb") as handle:
+            self.assertEqual(handle.read(), image)
+        code, body, headers = self.request("GET", attachment["url"])
+        self.assertEqual((code, body, headers["content-type"]), (200, image, "image/webp"))
+        self.assertEqual(self.request("GET", attachment["url"] + "?token=" + self.token, token=False)[0], 200)
+        self.assertEqual(self.request("GET", "/media/..%2f..%2fpinbox.db")[0], 404)
+        big = b"x" * (5 * 1024 * 1024 + 1)
+        error = self.api_error("POST", "/attachments?kind=screenshot", raw=big, headers={"Content-Type": "image/png"},
+                               status=413, code="E_ATTACHMENT")
+        self.assertEqual(error["message"], "attachment exceeds 5242880 bytes")
+        self.api_error("POST", "/attachments", raw=b"x", headers={"Content-Type": "image/png"})
+        self.api_error("POST", "/attachments?kind=virus", raw=b"x", headers={"Content-Type": "image/png"})
+        self.assertEqual(self.api_error("POST", "/attachments?kind=file", raw=b"x")["message"],
+                         "content-type header is required")
+
+    def test_host_origin_cors_and_body_limits(self):
+        code, data, _ = self.request("GET", "/health", token=False, headers={"Host": "evil.example"})
+        self.assertEqual(code, 403)
+        self.assertEqual(self.request("GET", "/pins", headers={"Host": "evil.example:%d" % self.port})[0], 403)
+        self.assertEqual(self.request("GET", "/health", headers={"Host": "localhost:%d" % self.port})[0], 200)
+        code, _, headers = self.request("OPTIONS", "/pins", token=False, headers={"Origin": "http://localhost:5173"})
+        self.assertEqual(code, 204)
+        self.assertEqual(headers["access-control-allow-origin"], "http://localhost:5173")
+        self.assertIn("authorization", headers["access-control-allow-headers"])
+        code, _, headers = self.request("POST", "/pins", {"text": "x", "author": {"userId": "u"}},
+                                        headers={"Origin": "http://127.0.0.1:8080"})
+        self.assertEqual((code, headers["access-control-allow-origin"]), (201, "http://127.0.0.1:8080"))
+        code, body, headers = self.request("GET", "/health", token=False, headers={"Origin": "https://evil.example"})
+        self.assertEqual((code, body), (403, None))
+        self.assertNotIn("access-control-allow-origin", headers)
+        self.assertEqual(self.request("GET", "/pins", headers={"Origin": "null"})[0], 403)
+        error = self.api_error("POST", "/pins", raw=b"{" + b" " * (2 * 1024 * 1024) + b"}",
+                               headers={"Content-Type": "application/json"}, status=413)
+        self.assertIn("1048576", error["message"])
+        self.assertEqual(self.request("GET", "/health", token=False)[0], 200)  # still serving
+
+    def test_two_hundred_clients_posting_at_once(self):
+        errors, made = [], []
+
+        def client(i):
+            try:
+                for j in range(3):
+                    made.append(self.post_pin("client %d pin %d" % (i, j))["id"])
+            except Exception as exc:  # collected: an assertion in a thread would be lost
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(200)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        self.assertEqual(errors, [])
+        self.assertEqual(len(set(made)), 600)
+        self.assertEqual(sorted(r[0] for r in self.sql("SELECT n FROM pins")), list(range(1, 601)))
+
+
+def ws_connect(port, protocols=None, path="/ws"):
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    key = base64.b64encode(os.urandom(16)).decode()
+    lines = ["GET %s HTTP/1.1" % path, "Host: 127.0.0.1:%d" % port, "Upgrade: websocket", "Connection: Upgrade",
+             "Sec-WebSocket-Key: " + key, "Sec-WebSocket-Version: 13"]
+    if protocols:
+        lines.append("Sec-WebSocket-Protocol: " + ", ".join(protocols))
+    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+    reader = sock.makefile("rb")
+    head = []
+    while True:
+        line = reader.readline().decode().strip()
+        if not line:
+            break
+        head.append(line)
+    return sock, reader, head
+
+
+def ws_send(sock, text, opcode=1):
+    data = text.encode() if isinstance(text, str) else text
+    mask = os.urandom(4)
+    n = len(data)
+    header = bytes([0x80 | opcode]) + (bytes([0x80 | n]) if n < 126 else struct.pack("!BH", 0x80 | 126, n))
+    sock.sendall(header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data)))
+
+
+def ws_receive(reader):
+    """(opcode, payload): text frames as parsed JSON, close frames as (code, reason)."""
+    head = reader.read(2)
+    opcode, n = head[0] & 0x0F, head[1] & 0x7F
+    if n == 126:
+        n = struct.unpack("!H", reader.read(2))[0]
+    elif n == 127:
+        n = struct.unpack("!Q", reader.read(8))[0]
+    data = reader.read(n)
+    if opcode == 8:
+        return opcode, (struct.unpack("!H", data[:2])[0], data[2:].decode())
+    return opcode, json.loads(data) if opcode == 1 else data
+
+
+class TestHubLive(HubCase):
+    def hello(self, last_seq=0, consumer="c1"):
+        sock, reader, head = ws_connect(self.port, ["pinbox.token." + self.token])
+        self.addCleanup(sock.close)
+        self.assertIn("Sec-WebSocket-Protocol: pinbox.token." + self.token, head)
+        ws_send(sock, json.dumps({"type": "hello", "protocol": 1, "consumerId": consumer, "lastSeq": last_seq}))
+        return sock, reader
+
+    def test_websocket_catch_up_and_live_events(self):
+        pin = self.post_pin()
+        sock_a, reader_a = self.hello(0)
+        opcode, catch_up = ws_receive(reader_a)
+        self.assertEqual({k: catch_up[k] for k in ("type", "protocol", "minProtocol", "lastSeq")},
+                         {"type": "catch-up", "protocol": 1, "minProtocol": 1, "lastSeq": 1})
+        self.assertEqual([(e["type"], e["eventType"], e["payload"]["id"]) for e in catch_up["events"]],
+                         [("event", "pin.created", pin["id"])])
+        sock_b, reader_b = self.hello(1, "c2")
+        self.assertEqual(ws_receive(reader_b)[1]["events"], [])
+        self.assertEqual(self.api("GET", "/summary")["connectedToolbars"], 2)
+        second = self.post_pin("second")
+        for reader in (reader_a, reader_b):
+            opcode, frame = ws_receive(reader)
+            self.assertEqual((frame["type"], frame["seq"], frame["eventType"], frame["payload"]["id"]),
+                             ("event", 2, "pin.created", second["id"]))
+        self.ok("reply", second["id"], "from the CLI")  # another process's write reaches the sockets too
+        self.assertEqual(ws_receive(reader_a)[1]["eventType"], "thread.message")
+        ws_send(sock_a, json.dumps({"type": "hello"}))
+        self.assertEqual(ws_receive(reader_a)[1]["message"],
+                         "unexpected client frame: no client messages exist after hello")
+        self.assertEqual(self.sql("SELECT last_seq FROM cursors WHERE consumer_id = 'c2'"), [(1,)])
+        # Reconnect with a cursor: exactly the events after it.
+        sock_c, reader_c = self.hello(1, "c1")
+        self.assertEqual([e["seq"] for e in ws_receive(reader_c)[1]["events"]], [2, 3])
+        for sock, reader in ((sock_a, reader_a), (sock_b, reader_b), (sock_c, reader_c)):
+            reader.close()
+            sock.close()
+        deadline = time.monotonic() + 5
+        while self.api("GET", "/summary")["connectedToolbars"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertEqual(self.api("GET", "/summary")["connectedToolbars"], 0)
+
+    def test_websocket_refusals(self):
+        for protocols, path in ((None, "/ws"), (["pinbox.token.wrong"], "/ws"), (None, "/ws?token=wrong")):
+            sock, reader, head = ws_connect(self.port, protocols, path)
+            self.assertIn("101", head[0])
+            self.assertEqual(ws_receive(reader), (8, (4401, "missing or invalid token")))
+            sock.close()
+        for hello in ('{"type":"hello","protocol":0,"consumerId":"c","lastSeq":0}', "not json"):
+            sock, reader, _ = ws_connect(self.port, ["pinbox.token." + self.token])
+            ws_send(sock, hello)
+            self.assertEqual(ws_receive(reader)[1], {"type": "error", "code": "E_WS_PROTOCOL", "message": "malformed hello"})
+            self.assertEqual(ws_receive(reader), (8, (4400, "malformed hello")))
+            sock.close()
+        sock, reader, _ = ws_connect(self.port, None, "/ws?token=" + self.token)
+        self.assertEqual(ws_receive(reader), (8, (4400, "no hello within deadline")))
+        sock.close()
+
+    def test_the_event_stream_sees_writes_from_other_processes(self):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        conn.request("GET", "/stream?after=0&token=" + self.token)
+        answer = conn.getresponse()
+        self.assertEqual((answer.status, answer.getheader("Content-Type")), (200, "text/event-stream"))
+        pin = self.pin("made by the CLI")
+        started = time.monotonic()
+        lines = [answer.fp.readline() for _ in range(3)]
+        self.assertLess(time.monotonic() - started, 2.0)
+        self.assertEqual(lines[0], b"id: 1\n")
+        event = json.loads(lines[1][len(b"data: "):])
+        self.assertEqual((event["type"], event["payload"]["id"]), ("pin.created", pin["id"]))
+        conn.close()
+
+
+class TestHubLifecycle(HubCase):
+    IDLE_MS = "1500"
+
+    def test_state_files_and_a_clean_sigterm(self):
+        with open(os.path.join(self.repo, ".pinbox", "server.json")) as handle:
+            self.assertEqual(json.load(handle), {"port": self.port})
+        self.assertEqual(os.stat(os.path.join(self.state, "hub.json")).st_mode & 0o777, 0o600)
+        self.assertEqual(os.stat(os.path.join(self.state, "token")).st_mode & 0o777, 0o600)
+        self.assertEqual(os.stat(self.state).st_mode & 0o777, 0o700)
+        self.assertEqual(set(self.hub), {"pid", "port", "token", "version"})
+        self.proc.send_signal(signal.SIGTERM)
+        self.assertEqual(self.proc.wait(timeout=10), 0)
+        self.assertFalse(os.path.exists(os.path.join(self.state, "hub.json")))
+        self.assertFalse(os.path.exists(os.path.join(self.repo, ".pinbox", "server.json")))
+        self.assertNotIn(self.token.encode(), self.proc.stderr.read() + self.proc.stdout.read())
+        # A restarted hub keeps the token and the port: a pasted script tag still works.
+        self.start_hub()
+        self.assertEqual((self.hub["token"], self.hub["port"]), (self.token, self.port))
+
+    def test_idle_exit_waits_for_open_streams(self):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        conn.request("GET", "/stream?token=" + self.token)
+        answer = conn.getresponse()  # kept: dropping it would close the socket
+        time.sleep(2.5)
+        self.assertIsNone(self.proc.poll())  # a page is listening
+        answer.close()
+        conn.close()
+        self.assertEqual(self.proc.wait(timeout=10), 0)
+        self.assertFalse(os.path.exists(os.path.join(self.state, "hub.json")))
+
+    def test_two_hubs_started_at_once_leave_one(self):
+        self.stop_hub(self.proc)
+        procs = [subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=self.repo, env=self.env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+        for proc in procs:
+            self.addCleanup(self.stop_hub, proc)
+        hub = self.wait_hub_json(lambda data: data["pid"] in [p.pid for p in procs])
+        loser = [p for p in procs if p.pid != hub["pid"]][0]
+        self.assertEqual(loser.wait(timeout=10), 0)
+        self.assertIn("a hub already runs for %s at http://127.0.0.1:%d (pid %d)" % (self.repo, hub["port"], hub["pid"]),
+                      loser.stderr.read().decode())
+        self.assertIsNone([p for p in procs if p.pid == hub["pid"]][0].poll())
+
+    def test_commands_start_the_hub_in_the_background(self):
+        self.stop_hub(self.proc)
+        env = dict(self.env)
+        del env["PINBOX_NO_SPAWN"]
+        env["PINBOX_IDLE_MS"] = "3000"
+        self.ok("summary", env=env)
+        hub = self.wait_hub_json(lambda data: pid_running(data["pid"]))
+        self.addCleanup(os.kill, hub["pid"], signal.SIGTERM)
+        with open(os.path.join(self.repo, ".pinbox", "server.json")) as handle:
+            self.assertEqual(json.load(handle), {"port": hub["port"]})
+        self.assertEqual(os.getpgid(hub["pid"]), hub["pid"])  # its own session and process group
+        self.ok("list", env=env)
+        self.assertEqual(self.wait_hub_json(lambda data: True)["pid"], hub["pid"])  # reused, not a second one
+        # The hook path starts it too, and never waits for it.
+        os.kill(hub["pid"], signal.SIGTERM)
+        self.wait_gone(hub["pid"])
+        r = self.run_pinbox("session", "register", "--hook", "--agent", "claude", env=env,
+                            stdin=payload("k1", "SessionStart", self.repo))
+        self.assertEqual((r.code, r.out), (0, ""))
+        again = self.wait_hub_json(lambda data: pid_running(data["pid"]) and data["pid"] != hub["pid"])
+        self.addCleanup(lambda: pid_running(again["pid"]) and os.kill(again["pid"], signal.SIGTERM))
+        self.assertEqual((again["token"], again["port"]), (hub["token"], hub["port"]))
+
+    def wait_gone(self, pid):
+        deadline = time.monotonic() + 10
+        while pid_running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def pid_running(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone as far as we care
+        with open("/proc/%d/stat" % pid) as handle:
+            return handle.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 # ============================================================================
