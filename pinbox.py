@@ -1202,9 +1202,8 @@ def trailer_pattern():
     if TRAILER_RE is None:
         import re
         TRAILER_RE = re.compile(
-            r"(?:^|(?<=[^\w\s]))[ \t]*(?:fixes|resolves|closes)\b:?[ \t]*"
-            r"(%s(?:[ \t]*(?:,|&|\band\b)?[ \t]*%s)*)" % (_PIN_REF, _PIN_REF),
-            re.IGNORECASE + re.MULTILINE)  # (flags added, not or-ed: the 3.9 floor checker reads `|` as a 3.10 union)
+            r"(?im)(?:^|(?<=[^\w\s]))[ \t]*(?:fixes|resolves|closes)\b:?[ \t]*"
+            r"(%s(?:[ \t]*(?:,|&|\band\b)?[ \t]*%s)*)" % (_PIN_REF, _PIN_REF))
     return TRAILER_RE
 
 
@@ -2141,7 +2140,7 @@ def write_private(path, text):
     os.makedirs(folder, mode=0o700, exist_ok=True)
     os.chmod(folder, 0o700)
     tmp = "%s.tmp-%d" % (path, os.getpid())
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # novermin (flags, not a type union)
     with os.fdopen(fd, "w") as handle:
         handle.write(text)
     os.replace(tmp, path)
@@ -2201,7 +2200,7 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
     os.makedirs(state, mode=0o700, exist_ok=True)
     lock = open(lock_path, "a")
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # novermin (flags, not a type union)
     except OSError:
         lock.close()
         deadline = time.monotonic() + 3
@@ -2317,7 +2316,8 @@ def ensure_hub(root):
         try:
             os.setsid()
             null = os.open(os.devnull, os.O_RDONLY)
-            log = os.open(os.path.join(directory, "hub.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND  # novermin (flags, not a type union)
+            log = os.open(os.path.join(directory, "hub.log"), flags, 0o600)
             os.dup2(null, 0)
             os.dup2(log, 1)
             os.dup2(log, 2)
