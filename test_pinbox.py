@@ -283,9 +283,10 @@ class TestStore(PinboxCase):
         self.assertIn(self.db_path, result.err)
 
     def test_a_truncated_database_is_reported_and_left_alone(self):
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
         for i in range(60):
-            self.ok("pin", "pin number %d " % i + "x" * 400)
-        self.ok("list")  # WAL is checkpointed into the main file on the last close
+            pinbox.create_pin(store, {"text": "pin number %d " % i + "x" * 400})
+        store.close()  # the last close checkpoints the WAL into the main file
         with open(self.db_path, "rb") as handle:
             whole = handle.read()
         cut = whole[: len(whole) // 3]
@@ -2323,18 +2324,58 @@ class CountingResult(unittest.TextTestResult):
         self.passed += 1
 
 
-def main():
-    started = time.time()
-    suite = unittest.defaultTestLoader.loadTestsFromModule(sys.modules[__name__])
-    if len(sys.argv) > 1:
-        suite = unittest.defaultTestLoader.loadTestsFromNames(sys.argv[1:], sys.modules[__name__])
+def run_tests(names):
+    """Runs the named tests (all when none) here; returns (passed, failed, skipped)."""
+    loader = unittest.defaultTestLoader
+    module = sys.modules[__name__]
+    suite = loader.loadTestsFromNames(names, module) if names else loader.loadTestsFromModule(module)
     runner = unittest.TextTestRunner(resultclass=CountingResult, verbosity=2, stream=sys.stdout)
     result = runner.run(suite)
     for test, reason in result.skipped:
         print("skipped %s: %s" % (test.id(), reason))
     failed = len(result.failures) + len(result.errors) + len(result.unexpectedSuccesses)
+    return result.passed, failed, len(result.skipped)
+
+
+def test_classes():
+    module = sys.modules[__name__]
+    return [name for name, value in vars(module).items()
+            if isinstance(value, type) and issubclass(value, unittest.TestCase)
+            and unittest.defaultTestLoader.getTestCaseNames(value)]
+
+
+def run_in_parallel(workers):
+    """The classes dealt out to `workers` processes (this machine has two cores), each
+    worker's output printed whole when it ends."""
+    classes = test_classes()
+    buckets = [classes[i::workers] for i in range(workers)]
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"] + bucket,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for bucket in buckets]
+    totals = [0, 0, 0]
+    for proc in procs:
+        out = proc.communicate()[0].decode("utf-8", "replace")
+        sys.stdout.write(out)
+        last = [line for line in out.splitlines() if line.endswith(" skipped") and " passed, " in line]
+        if not last:
+            totals[1] += 1  # a worker that died without its count line
+            continue
+        words = last[-1].split()
+        for i, index in enumerate((0, 2, 4)):
+            totals[i] += int(words[index])
+    return totals
+
+
+def main():
+    started = time.time()
+    args = sys.argv[1:]
+    if args[:1] == ["--worker"]:
+        passed, failed, skipped = run_tests(args[1:])
+    elif args:
+        passed, failed, skipped = run_tests(args)
+    else:
+        passed, failed, skipped = run_in_parallel(int(os.environ.get("PINBOX_TEST_WORKERS", "2")))
     print("suite took %.1f s" % (time.time() - started))
-    print("%d passed, %d failed, %d skipped" % (result.passed, failed, len(result.skipped)))
+    print("%d passed, %d failed, %d skipped" % (passed, failed, skipped))
     sys.exit(1 if failed else 0)
 
 
