@@ -1885,7 +1885,806 @@ def r_page(hub, request):
     return Response(200, raw=PAGE_HTML, content_type="text/html; charset=utf-8")
 
 
-TOOLBAR_JS = "/* pinbox toolbar: see below */"
+TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
+   Served by the pinbox hub as GET /toolbar.js and loaded by one tag:
+     <script src="http://127.0.0.1:PORT/toolbar.js" data-token="TOKEN"></script>
+   All UI lives in an open shadow root so the page's CSS and ours never mix.
+   Every error ends in a toast; nothing is thrown to the page. */
+(function () {
+  'use strict';
+
+  // One toolbar per page, even if the tag is included twice.
+  if (window.__pinboxToolbar || document.getElementById('pinbox-toolbar-host')) return;
+  window.__pinboxToolbar = true;
+
+  // currentScript is null in some loaders; fall back to the tag that looks like ours.
+  const script = document.currentScript ||
+    Array.from(document.querySelectorAll('script[src][data-token]')).find((s) => /toolbar[.]js/.test(s.src));
+  if (!script) return;
+  const ENDPOINT = new URL(script.src, location.href).origin;
+  const TOKEN = script.getAttribute('data-token') || '';
+  const EVENT_TYPES = ['pin.created', 'pin.resolved', 'pin.verified', 'thread.message'];
+  // The source stays ASCII so it decodes right whatever charset the hub declares.
+  const TIMES = String.fromCharCode(0xd7);  // multiplication sign, for close buttons
+  const DOT = String.fromCharCode(0xb7);    // middle dot
+
+  const state = {
+    pins: new Map(),   // id -> Pin, all statuses
+    lastSeq: 0,        // highest stream seq applied; reconnects resume after it
+    picking: false,
+    hover: null,       // element under the cursor while picking
+    picked: null,      // element the composer is about
+    pickedTarget: null,
+    file: null,        // image to attach to the new pin
+    threadId: null,    // pin shown in the thread panel
+    messages: [],      // that pin's thread
+    es: null,
+    backoff: 250,      // next stream reconnect delay (ms)
+    streamWarned: false,
+  };
+  const ui = {};       // shadow-root elements
+
+  // ---------------------------------------------------------------- helpers
+
+  // Tiny element builder: h('button', {class: 'x', onclick: fn}, 'text', child).
+  function h(tag, attrs, ...kids) {
+    const el = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (v == null || v === false) continue;
+      if (k === 'class') el.className = v;
+      else if (k.startsWith('on')) el.addEventListener(k.slice(2), guard(v));
+      else el.setAttribute(k, v === true ? '' : String(v));
+    }
+    return fill(el, ...kids);
+  }
+
+  // Replaces an element's children, flattening arrays and skipping null/false.
+  function fill(el, ...kids) {
+    el.replaceChildren(...kids.flat(2).filter((k) => k != null && k !== false));
+    return el;
+  }
+
+  // Wraps a handler so a bug in the toolbar becomes a toast, never a page error.
+  function guard(fn) {
+    return function (...args) {
+      try {
+        const r = fn.apply(this, args);
+        if (r && typeof r.catch === 'function') r.catch(report);
+        return r;
+      } catch (err) { report(err); }
+    };
+  }
+
+  // Collapses runs of whitespace to one space (no regex escapes needed).
+  function collapse(text) {
+    let out = '';
+    let gap = false;
+    for (const ch of String(text || '')) {
+      if (ch.trim() === '') { gap = true; continue; }
+      if (gap && out) out += ' ';
+      out += ch;
+      gap = false;
+    }
+    return out;
+  }
+
+  const round = (n) => Math.round(n * 100) / 100;
+  const inOurUi = (e) => e.composedPath().includes(ui.host);
+
+  function isEditable(el) {
+    if (!el || el.nodeType !== 1) return false;
+    return el.isContentEditable || /^(INPUT|TEXTAREA|SELECT)$/.test(el.tagName);
+  }
+
+  function randomId() {
+    const bytes = new Uint8Array(8);
+    crypto.getRandomValues(bytes);
+    return 'c_' + Array.from(bytes, (b) => b.toString(16).padStart(2, '0')).join('');
+  }
+
+  // A persistent random id for this browser; memory-only if storage is blocked.
+  function consumerId() {
+    try {
+      let id = localStorage.getItem('pinbox.consumer');
+      if (!id) { id = randomId(); localStorage.setItem('pinbox.consumer', id); }
+      return id;
+    } catch (err) {
+      return state.memoryId || (state.memoryId = randomId());
+    }
+  }
+
+  // ------------------------------------------------------------------- REST
+
+  const fail = (code, message, hint) => Object.assign(new Error(message), { code, hint });
+
+  // Every call carries the bearer token; the hub answers {ok, data} or {ok:false, error}.
+  async function api(method, path, body, rawType) {
+    const headers = { authorization: 'Bearer ' + TOKEN };
+    let payload;
+    if (rawType) { headers['content-type'] = rawType; payload = body; }
+    else if (body !== undefined) { headers['content-type'] = 'application/json'; payload = JSON.stringify(body); }
+    let res;
+    try {
+      res = await fetch(ENDPOINT + path, { method, headers, body: payload, mode: 'cors', credentials: 'omit', cache: 'no-store' });
+    } catch (err) {
+      throw fail('E_HUB_UNREACHABLE', 'pinbox hub not reachable at ' + ENDPOINT, 'is the pinbox hub running?');
+    }
+    let env = null;
+    try { env = await res.json(); } catch (err) { /* not JSON: reported below */ }
+    if (env && env.ok === true) return env.data;
+    const e = (env && env.error) || {};
+    throw fail(e.code || 'E_HTTP_' + res.status, e.message || 'hub answered HTTP ' + res.status, e.hint);
+  }
+
+  // Media may need the token, which an <img src> cannot send: fetch it once, show a
+  // blob URL (cached, so re-rendering a thread does not refetch or flicker).
+  const images = new Map();  // absolute url -> Promise<src>
+  function authImage(url, alt) {
+    const img = h('img', { alt: alt || 'attachment' });
+    let abs;
+    try { abs = new URL(url, ENDPOINT).href; } catch (err) { return img; }
+    if (!images.has(abs)) {
+      images.set(abs, new URL(abs).origin !== ENDPOINT ? Promise.resolve(abs)
+        : fetch(abs, { headers: { authorization: 'Bearer ' + TOKEN }, mode: 'cors', credentials: 'omit' })
+          .then((r) => { if (!r.ok) throw new Error(String(r.status)); return r.blob(); })
+          .then((blob) => URL.createObjectURL(blob), () => abs));
+    }
+    images.get(abs).then((src) => { img.src = src; });
+    return img;
+  }
+
+  // ------------------------------------------------------------ UI skeleton
+
+  // Built with createElementNS, not innerHTML: pages enforcing Trusted Types would throw.
+  function pinIcon() {
+    const NS = 'http://www.w3.org/2000/svg';
+    const svg = document.createElementNS(NS, 'svg');
+    const path = document.createElementNS(NS, 'path');
+    for (const [k, v] of [['viewBox', '0 0 24 24'], ['width', '20'], ['height', '20'], ['aria-hidden', 'true']]) svg.setAttribute(k, v);
+    path.setAttribute('fill', 'currentColor');
+    path.setAttribute('d', 'M12 2a7 7 0 0 0-7 7c0 5.2 7 13 7 13s7-7.8 7-13a7 7 0 0 0-7-7zm0 9.5A2.5 2.5 0 1 1 12 6.5a2.5 2.5 0 0 1 0 5z');
+    svg.append(path);
+    return svg;
+  }
+
+  const STYLES = `
+    :host { all: initial; }
+    * { box-sizing: border-box; }
+    [hidden] { display: none !important; }
+    .root { font: 13px/1.4 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #1f2328; }
+    button { font: inherit; cursor: pointer; border-radius: 6px; border: 1px solid #d0d7de; background: #f6f8fa; color: #1f2328; padding: 5px 10px; }
+    button:hover { background: #eef1f4; }
+    button:focus-visible, textarea:focus-visible { outline: 2px solid #7048e8; outline-offset: 1px; }
+    button:disabled { opacity: .6; cursor: default; }
+    button.primary { background: #7048e8; border-color: #7048e8; color: #fff; }
+    button.primary:hover { background: #5f3dc4; }
+    button.ok { background: #2b8a3e; border-color: #2b8a3e; color: #fff; }
+    button.x { border: 0; background: none; font-size: 16px; line-height: 1; padding: 2px 6px; color: #57606a; }
+    textarea { font: inherit; width: 100%; min-height: 70px; resize: vertical; padding: 7px 8px; border: 1px solid #d0d7de; border-radius: 6px; color: #1f2328; background: #fff; }
+    .toggle { position: fixed; right: 20px; bottom: 20px; width: 46px; height: 46px; border-radius: 50%; padding: 0;
+      display: flex; align-items: center; justify-content: center; background: #7048e8; border: 2px solid #fff; color: #fff;
+      box-shadow: 0 4px 14px rgba(0,0,0,.28); }
+    .toggle:hover { background: #5f3dc4; }
+    .toggle[aria-pressed="true"] { background: #1f2328; }
+    .count { position: absolute; top: -4px; right: -4px; min-width: 18px; height: 18px; padding: 0 4px; border-radius: 9px;
+      background: #fff; color: #7048e8; font-size: 11px; font-weight: 700; line-height: 18px; text-align: center; box-shadow: 0 1px 3px rgba(0,0,0,.3); }
+    .overlay { position: fixed; pointer-events: none; border: 2px solid #7048e8; background: rgba(112,72,232,.12); border-radius: 3px; }
+    .overlay.chosen { border-style: dashed; background: rgba(112,72,232,.06); }
+    .overlay span { position: absolute; left: -2px; top: -20px; background: #7048e8; color: #fff; font: 11px/18px ui-monospace, Menlo, monospace;
+      padding: 0 5px; border-radius: 3px; white-space: nowrap; max-width: 60vw; overflow: hidden; text-overflow: ellipsis; }
+    .hint { position: fixed; top: 12px; left: 50%; transform: translateX(-50%); background: #1f2328; color: #fff; padding: 6px 12px;
+      border-radius: 16px; box-shadow: 0 2px 10px rgba(0,0,0,.25); pointer-events: none; }
+    .marker { position: fixed; width: 24px; height: 24px; border-radius: 50%; padding: 0; border: 2px solid #fff;
+      background: #7048e8; color: #fff; font-size: 11px; font-weight: 700; line-height: 20px; text-align: center;
+      box-shadow: 0 2px 6px rgba(0,0,0,.35); }
+    .marker:hover { transform: scale(1.12); background: #5f3dc4; }
+    .marker.resolved { background: #2b8a3e; }
+    .marker.resolved:hover { background: #237032; }
+    .panel { position: fixed; background: #fff; border: 1px solid #d0d7de; border-radius: 10px; box-shadow: 0 8px 28px rgba(0,0,0,.22);
+      display: flex; flex-direction: column; gap: 8px; padding: 10px 12px 12px; }
+    .composer { width: 320px; }
+    .thread { right: 16px; top: 16px; width: 360px; max-height: calc(100vh - 96px); }
+    .head { display: flex; align-items: center; gap: 8px; }
+    .head strong { font-size: 14px; }
+    .head .grow { flex: 1; }
+    code { font: 11px ui-monospace, Menlo, monospace; color: #57606a; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; min-width: 0; }
+    .row { display: flex; align-items: center; gap: 8px; flex-wrap: wrap; }
+    .actions { display: flex; justify-content: flex-end; gap: 8px; }
+    .attach { position: relative; display: inline-flex; align-items: center; gap: 4px; border: 1px dashed #afb8c1; border-radius: 6px; padding: 4px 9px; color: #57606a; cursor: pointer; }
+    .attach:focus-within { outline: 2px solid #7048e8; }
+    .attach input { position: absolute; inset: 0; opacity: 0; width: 100%; cursor: pointer; }
+    .file { color: #57606a; font-size: 12px; }
+    .preview { max-width: 100%; max-height: 120px; border-radius: 6px; border: 1px solid #d0d7de; align-self: flex-start; }
+    .badge { font-size: 11px; font-weight: 600; padding: 1px 8px; border-radius: 10px; background: #f3f0ff; color: #5f3dc4; }
+    .badge.resolved { background: #ebfbee; color: #2b8a3e; }
+    .meta { display: flex; flex-direction: column; gap: 4px; min-width: 0; }
+    .meta code { display: block; }
+    .pintext { white-space: pre-wrap; word-wrap: break-word; font-size: 14px; }
+    .note { font-size: 12px; color: #57606a; }
+    .messages { overflow-y: auto; display: flex; flex-direction: column; gap: 6px; min-height: 0; flex: 1; }
+    .msg { border-radius: 8px; padding: 6px 9px; background: #f6f8fa; }
+    .msg.human { background: #f3f0ff; }
+    .msg .who { font-size: 11px; color: #57606a; font-weight: 600; text-transform: capitalize; }
+    .msg .text { white-space: pre-wrap; word-wrap: break-word; }
+    .msg img, .shots img { max-width: 100%; max-height: 160px; border-radius: 6px; margin-top: 4px; display: block; }
+    .empty { color: #8c959f; font-style: italic; }
+    .toasts { position: fixed; left: 50%; bottom: 20px; transform: translateX(-50%); display: flex; flex-direction: column; gap: 6px; align-items: center; }
+    .toast { background: #1f2328; color: #fff; padding: 8px 14px; border-radius: 8px; box-shadow: 0 4px 14px rgba(0,0,0,.25); max-width: 480px; }
+    .toast.error { background: #c92a2a; }
+    .toast small { display: block; opacity: .85; }
+  `;
+
+  function mount() {
+    const host = document.createElement('div');
+    host.id = 'pinbox-toolbar-host';
+    // Inline !important beats any page rule aimed at our host.
+    for (const [k, v] of [['all', 'initial'], ['position', 'fixed'], ['top', '0'], ['left', '0'], ['width', '0'],
+      ['height', '0'], ['overflow', 'visible'], ['z-index', '2147483647'], ['display', 'block']]) {
+      host.style.setProperty(k, v, 'important');
+    }
+    const root = host.attachShadow({ mode: 'open' });
+    ui.host = host;
+    ui.root = root;
+    ui.overlay = h('div', { class: 'overlay', hidden: true }, h('span'));
+    ui.hint = h('div', { class: 'hint', hidden: true, role: 'status' }, 'Click an element to pin it ' + DOT + ' Esc to cancel');
+    ui.markers = h('div', { class: 'markers' });
+    ui.count = h('span', { class: 'count', hidden: true });
+    ui.toggle = h('button', { class: 'toggle', type: 'button', 'data-pinbox': 'toggle', 'aria-label': 'Drop a pin (P)',
+      'aria-pressed': 'false', title: 'Drop a pin (P)', onclick: () => (state.picking ? stopPicking() : startPicking()) },
+    pinIcon(), ui.count);
+    ui.toasts = h('div', { class: 'toasts', 'aria-live': 'polite' });
+    ui.layer = h('div', { class: 'root' }, ui.overlay, ui.markers, ui.hint, ui.toggle, ui.toasts);
+    // A constructed sheet is not blocked by a page CSP without 'unsafe-inline'.
+    try {
+      const sheet = new CSSStyleSheet();
+      sheet.replaceSync(STYLES);
+      root.adoptedStyleSheets = [sheet];
+    } catch (err) {
+      root.append(h('style', null, STYLES));
+    }
+    root.append(ui.layer);
+    // Events inside the toolbar stop at the host: page shortcuts and "click outside"
+    // handlers never see our typing and clicks.
+    for (const t of ['click', 'dblclick', 'mousedown', 'mouseup', 'pointerdown', 'pointerup', 'keydown', 'keyup', 'keypress', 'input', 'paste']) {
+      host.addEventListener(t, (e) => e.stopPropagation());
+    }
+    document.body.append(host);
+  }
+
+  function toast(message, kind, hint) {
+    const el = h('div', { class: 'toast' + (kind === 'error' ? ' error' : ''), 'data-pinbox': 'toast',
+      role: kind === 'error' ? 'alert' : 'status' }, message, hint ? h('small', null, hint) : null);
+    ui.toasts.append(el);
+    while (ui.toasts.children.length > 3) ui.toasts.firstChild.remove();  // newest three only
+    setTimeout(() => el.remove(), kind === 'error' ? 6000 : 3000);
+  }
+
+  function report(err) {
+    try {
+      const msg = (err && err.message) || String(err);
+      toast(err && err.code ? err.code + ': ' + msg : msg, 'error', err && err.hint);
+    } catch (e) { /* nowhere left to report */ }
+  }
+
+  // ---------------------------------------------------------------- picking
+
+  const BLOCKED = ['pointerdown', 'pointerup', 'mousedown', 'mouseup', 'click', 'dblclick', 'auxclick'];
+
+  function startPicking() {
+    closeComposer();
+    state.picking = true;
+    ui.toggle.setAttribute('aria-pressed', 'true');
+    ui.hint.hidden = false;
+    window.addEventListener('mousemove', onHover, true);
+    for (const t of BLOCKED) window.addEventListener(t, onPickEvent, true);
+  }
+
+  function stopPicking() {
+    state.picking = false;
+    state.hover = null;
+    ui.toggle.setAttribute('aria-pressed', 'false');
+    ui.hint.hidden = true;
+    window.removeEventListener('mousemove', onHover, true);
+    for (const t of BLOCKED) window.removeEventListener(t, onPickEvent, true);
+    positionAll();
+  }
+
+  const onHover = guard((e) => {
+    state.hover = inOurUi(e) ? null : e.target;
+    placeOverlay(state.hover, false);
+  });
+
+  // Capture phase on window: runs before the page's handlers, which never see the click.
+  const onPickEvent = guard((e) => {
+    if (inOurUi(e)) return;
+    e.preventDefault();
+    e.stopImmediatePropagation();
+    if (e.type !== 'click' || !(e.target instanceof Element)) return;
+    const el = e.target;
+    stopPicking();
+    openComposer(el);
+  });
+
+  // ------------------------------------------------------ describing a target
+
+  // Ids like "ember123", ":r1:", "radix-4" or uuids change between renders: not anchors.
+  function stableId(el) {
+    const id = el.id;
+    if (!id || id.length > 40 || /[0-9]{3,}|[:.]|^[0-9]|^(ember|ext-gen|yui|ui-id|radix|headlessui|react|mui|__)/i.test(id)) return null;
+    try { return document.querySelectorAll('#' + CSS.escape(id)).length === 1 ? '#' + CSS.escape(id) : null; } catch (err) { return null; }
+  }
+
+  function step(el, always) {
+    const tag = el.localName;
+    const parent = el.parentElement;
+    if (!parent) return tag;
+    const same = Array.from(parent.children).filter((c) => c.localName === tag);
+    return always || same.length > 1 ? tag + ':nth-of-type(' + (same.indexOf(el) + 1) + ')' : tag;
+  }
+
+  function matchesOnly(sel, el) {
+    try { const all = document.querySelectorAll(sel); return all.length === 1 && all[0] === el; } catch (err) { return false; }
+  }
+
+  function selectorFor(el) {
+    if (el === document.documentElement) return 'html';
+    if (el === document.body) return 'body';
+    const own = stableId(el);
+    if (own && matchesOnly(own, el)) return own;
+    // Walk up to the nearest stable id (or body), one step per level.
+    const steps = [];
+    let cur = el;
+    while (cur && cur !== document.body && cur !== document.documentElement) {
+      const anchor = cur !== el && stableId(cur);
+      if (anchor) { steps.unshift(anchor); break; }
+      steps.unshift(step(cur, false));
+      cur = cur.parentElement;
+    }
+    if (cur === document.body) steps.unshift('body');
+    const sel = steps.join(' > ');
+    if (matchesOnly(sel, el)) return sel;
+    // Fallback: a full nth-of-type path from html is unique by construction.
+    const full = [];
+    for (cur = el; cur && cur !== document.documentElement; cur = cur.parentElement) full.unshift(step(cur, true));
+    return ['html'].concat(full).join(' > ');
+  }
+
+  function nearbyText(el) {
+    for (let cur = el, depth = 0; cur && depth < 4; cur = cur.parentElement, depth++) {
+      const text = collapse(String(cur.innerText || cur.getAttribute('aria-label') || cur.getAttribute('alt') ||
+        cur.getAttribute('title') || cur.getAttribute('placeholder') || '').slice(0, 2000));  // bounded work on huge containers
+      if (text) return text.slice(0, 200);
+    }
+    return '';
+  }
+
+  function describe(el) {
+    const r = el.getBoundingClientRect();
+    return {
+      url: location.href,
+      selector: selectorFor(el),
+      tag: el.tagName.toLowerCase(),
+      rect: { x: round(r.left + scrollX), y: round(r.top + scrollY), width: round(r.width), height: round(r.height) },
+      context: { nearbyText: nearbyText(el), classes: Array.from(el.classList).slice(0, 20) },
+    };
+  }
+
+  function environment() {
+    const ua = navigator.userAgent;
+    const pick = (re) => { const m = ua.match(re); return m ? m[1] : null; };
+    let browser = 'unknown';
+    const tests = [['Edge', /Edg[A-Za-z]*[/]([0-9]+)/], ['Opera', /OPR[/]([0-9]+)/], ['Firefox', /Firefox[/]([0-9]+)/],
+      ['Chrome', /Chrom(?:e|ium)[/]([0-9]+)/], ['Safari', /Version[/]([0-9]+).*Safari/]];
+    for (const [name, re] of tests) { const v = pick(re); if (v) { browser = name + ' ' + v; break; } }
+    const os = /Windows/.test(ua) ? 'Windows' : /Android/.test(ua) ? 'Android' : /iPhone|iPad|iPod/.test(ua) ? 'iOS'
+      : /Mac OS X|Macintosh/.test(ua) ? 'macOS' : /CrOS/.test(ua) ? 'ChromeOS' : /Linux/.test(ua) ? 'Linux' : 'unknown';
+    const dark = window.matchMedia && matchMedia('(prefers-color-scheme: dark)').matches;
+    return { viewport: { w: innerWidth, h: innerHeight, dpr: devicePixelRatio }, browser, os, colorScheme: dark ? 'dark' : 'light' };
+  }
+
+  // ---------------------------------------------------------------- composer
+
+  function openComposer(el) {
+    closeComposer();
+    closeThread();
+    state.picked = el;
+    state.pickedTarget = describe(el);
+    const comment = h('textarea', { 'data-pinbox': 'comment', 'aria-label': 'Comment', placeholder: 'What should change here? (paste an image to attach)',
+      onkeydown: (e) => { if (e.key === 'Enter' && (e.ctrlKey || e.metaKey)) { e.preventDefault(); submit(); } },
+      onpaste: (e) => {
+        const item = Array.from((e.clipboardData && e.clipboardData.items) || []).find((i) => i.kind === 'file' && i.type.startsWith('image/'));
+        if (item) { e.preventDefault(); setFile(item.getAsFile()); }
+      } });
+    const attach = h('input', { type: 'file', accept: 'image/*', 'data-pinbox': 'attach', 'aria-label': 'Attach an image',
+      onchange: (e) => setFile(e.target.files && e.target.files[0]) });
+    ui.fileName = h('span', { class: 'file' });
+    ui.preview = h('img', { class: 'preview', alt: 'attached image', hidden: true });
+    ui.submit = h('button', { type: 'button', class: 'primary', 'data-pinbox': 'submit', onclick: submit }, 'Pin it');
+    ui.comment = comment;
+    ui.composer = h('div', { class: 'panel composer', 'data-pinbox': 'composer', role: 'dialog', 'aria-label': 'New pin' },
+      h('div', { class: 'head' }, h('strong', null, 'New pin'), h('code', { class: 'grow', title: state.pickedTarget.selector }, state.pickedTarget.selector),
+        h('button', { type: 'button', class: 'x', 'aria-label': 'Cancel', onclick: closeComposer }, TIMES)),
+      comment,
+      h('div', { class: 'row' }, h('label', { class: 'attach' }, '+ Image', attach), ui.fileName),
+      ui.preview,
+      h('div', { class: 'actions' }, h('button', { type: 'button', onclick: closeComposer }, 'Cancel'), ui.submit));
+    ui.layer.append(ui.composer);
+    positionAll();
+    comment.focus();
+  }
+
+  function setFile(file) {
+    if (!file || !ui.composer) return;
+    if (!file.type.startsWith('image/')) { toast('Only images can be attached', 'error'); return; }
+    state.file = file;
+    ui.fileName.textContent = (file.name || 'pasted image') + ' ' + DOT + ' ' + Math.ceil(file.size / 1024) + ' KB';
+    if (ui.preview.src) URL.revokeObjectURL(ui.preview.src);
+    ui.preview.src = URL.createObjectURL(file);
+    ui.preview.hidden = false;
+  }
+
+  function closeComposer() {
+    if (!ui.composer) return;
+    if (ui.preview && ui.preview.src) URL.revokeObjectURL(ui.preview.src);
+    ui.composer.remove();
+    ui.composer = null;
+    state.picked = null;
+    state.file = null;
+    positionAll();
+  }
+
+  async function submit() {
+    if (!ui.composer || ui.submit.disabled) return;
+    const text = ui.comment.value.trim();
+    if (!text) { toast('Write a comment first', 'error'); ui.comment.focus(); return; }
+    ui.submit.disabled = true;
+    try {
+      // Re-describe if the element is still there (it may have moved since the pick).
+      const target = state.picked && state.picked.isConnected ? describe(state.picked) : state.pickedTarget;
+      const body = { text, kind: 'note', target, env: environment(), author: { userId: consumerId() } };
+      if (state.file) {
+        const type = state.file.type || 'application/octet-stream';
+        const up = await api('POST', '/attachments?kind=screenshot', state.file, type);
+        body.attachments = [up && up.attachment ? up.attachment : up];
+      }
+      const data = await api('POST', '/pins', body);
+      const pin = data && data.pin ? data.pin : data;
+      if (pin && pin.id) upsert(pin);
+      closeComposer();
+      toast('Pin #' + ((pin && pin.n) || '?') + ' saved');
+    } catch (err) {
+      report(err);
+    } finally {
+      if (ui.submit) ui.submit.disabled = false;
+    }
+  }
+
+  // ----------------------------------------------------------------- markers
+
+  function onThisPage(pin) {
+    try {
+      const u = new URL(pin.target && pin.target.url, location.href);
+      return u.origin === location.origin && u.pathname === location.pathname;
+    } catch (err) { return false; }
+  }
+
+  function upsert(pin) {
+    if (!pin || !pin.id) return;
+    state.pins.set(pin.id, pin);
+    renderMarkers();
+    if (state.threadId === pin.id) renderThreadMeta();
+  }
+
+  // One <button> per pin on this page, kept across renders so focus survives updates.
+  function renderMarkers() {
+    const seen = new Set();
+    let open = 0;
+    for (const pin of state.pins.values()) {
+      if (!onThisPage(pin)) continue;
+      seen.add(pin.id);
+      const resolved = pin.status === 'resolved';
+      if (!resolved) open++;
+      let m = ui.markers.querySelector('[data-pin-id="' + CSS.escape(pin.id) + '"]');
+      if (!m) {
+        m = h('button', { type: 'button', class: 'marker', 'data-pinbox': 'marker', 'data-pin-id': pin.id,
+          onclick: () => openThread(pin.id) });
+        ui.markers.append(m);
+      }
+      m.textContent = pin.n != null ? String(pin.n) : '?';
+      m.classList.toggle('resolved', resolved);
+      m.setAttribute('data-status', resolved ? 'resolved' : 'open');
+      const label = 'Pin ' + (pin.n || '') + ' (' + (resolved ? 'resolved' : 'open') + '): ' + collapse(pin.text).slice(0, 80);
+      m.setAttribute('aria-label', label);
+      m.title = label;
+    }
+    for (const m of Array.from(ui.markers.children)) if (!seen.has(m.getAttribute('data-pin-id'))) m.remove();
+    ui.count.textContent = String(open);
+    ui.count.hidden = open === 0;
+    positionAll();
+  }
+
+  // Viewport rect of a pin's element; the stored document rect when it is gone.
+  function pinRect(pin) {
+    const t = pin.target || {};
+    let el = null;
+    try { el = t.selector ? document.querySelector(t.selector) : null; } catch (err) { el = null; }
+    if (el && el.getClientRects().length) return el.getBoundingClientRect();
+    const r = t.rect;
+    if (!r) return null;
+    return { left: r.x - scrollX, top: r.y - scrollY, right: r.x + r.width - scrollX, bottom: r.y + r.height - scrollY, width: r.width, height: r.height };
+  }
+
+  function placeOverlay(el, chosen) {
+    if (!el || !el.isConnected) { ui.overlay.hidden = true; return; }
+    const r = el.getBoundingClientRect();
+    Object.assign(ui.overlay.style, { left: r.left + 'px', top: r.top + 'px', width: r.width + 'px', height: r.height + 'px' });
+    ui.overlay.classList.toggle('chosen', !!chosen);
+    ui.overlay.firstChild.textContent = el.tagName.toLowerCase() + (el.id ? '#' + el.id : '') + (el.classList.length ? '.' + Array.from(el.classList).join('.') : '');
+    ui.overlay.hidden = false;
+  }
+
+  function positionAll() {
+    if (!ui.layer) return;
+    placeOverlay(state.picking ? state.hover : state.picked, !state.picking);
+    // Markers sit on the element's top-right corner; pins on the same spot fan out leftwards.
+    const used = new Map();
+    for (const m of ui.markers.children) {
+      const pin = state.pins.get(m.getAttribute('data-pin-id'));
+      const r = pin && pinRect(pin);
+      if (!r || r.bottom < -12 || r.top > innerHeight + 12) { m.hidden = true; continue; }
+      const key = Math.round(r.right) + ',' + Math.round(r.top);
+      const nth = used.get(key) || 0;
+      used.set(key, nth + 1);
+      const left = Math.min(Math.max(r.right - 12 - nth * 26, 2), innerWidth - 26);
+      const top = Math.min(Math.max(r.top - 12, 2), innerHeight - 26);
+      m.style.left = left + 'px';
+      m.style.top = top + 'px';
+      m.hidden = false;
+    }
+    // The composer stays next to its element, below it when there is room, inside the viewport.
+    if (ui.composer && state.picked) {
+      const r = state.picked.getBoundingClientRect();
+      const w = ui.composer.offsetWidth;
+      const hgt = ui.composer.offsetHeight;
+      let top = r.bottom + 10;
+      if (top + hgt > innerHeight - 8) top = r.top - hgt - 10;
+      top = Math.min(Math.max(top, 8), Math.max(innerHeight - hgt - 8, 8));
+      const left = Math.min(Math.max(r.left, 8), Math.max(innerWidth - w - 8, 8));
+      ui.composer.style.left = left + 'px';
+      ui.composer.style.top = top + 'px';
+    }
+  }
+
+  let framePending = false;
+  function schedule() {
+    if (framePending) return;
+    framePending = true;
+    requestAnimationFrame(() => { framePending = false; guard(positionAll)(); });
+  }
+
+  // ------------------------------------------------------------ thread panel
+
+  function openThread(id) {
+    const pin = state.pins.get(id);
+    if (!pin) return;
+    if (state.picking) stopPicking();
+    closeComposer();
+    closeThread();
+    state.threadId = id;
+    state.messages = [];
+    ui.meta = h('div', { class: 'meta' });
+    ui.list = h('div', { class: 'messages', 'aria-label': 'Thread', role: 'log' }, h('div', { class: 'empty' }, 'Loading...'));
+    ui.reply = h('textarea', { 'data-pinbox': 'reply', 'aria-label': 'Reply', placeholder: 'Reply...',
+      onkeydown: (e) => { if (e.key === 'Enter' && (e.ctrlKey || e.metaKey)) { e.preventDefault(); sendReply(); } } });
+    ui.send = h('button', { type: 'button', class: 'primary', 'data-pinbox': 'send', onclick: sendReply }, 'Send');
+    ui.statusButton = h('span');
+    ui.title = h('strong');
+    ui.badge = h('span', { class: 'badge' });
+    ui.thread = h('section', { class: 'panel thread', 'data-pinbox': 'thread', role: 'dialog', 'aria-label': 'Pin thread' },
+      h('div', { class: 'head' }, ui.title, ui.badge, h('span', { class: 'grow' }),
+        h('button', { type: 'button', class: 'x', 'aria-label': 'Close thread', onclick: closeThread }, TIMES)),
+      ui.meta, ui.list, ui.reply,
+      h('div', { class: 'actions' }, ui.statusButton, ui.send));
+    ui.layer.append(ui.thread);
+    renderThreadMeta();
+    ui.reply.focus();
+    return api('GET', '/pins/' + encodeURIComponent(id) + '/thread').then((data) => {
+      if (state.threadId !== id) return;
+      const got = Array.isArray(data) ? data : (data && data.messages) || [];
+      // Keep anything the stream delivered while the GET was in flight.
+      const ids = new Set(got.map((m) => m.id));
+      state.messages = got.concat(state.messages.filter((m) => !ids.has(m.id)));
+      renderMessages();
+    });
+  }
+
+  function closeThread() {
+    if (!ui.thread) return;
+    ui.thread.remove();
+    ui.thread = null;
+    state.threadId = null;
+    state.messages = [];
+  }
+
+  function attachmentView(a) {
+    if (a && a.url && (!a.contentType || String(a.contentType).startsWith('image/'))) return authImage(a.url, a.path || 'attachment');
+    return h('div', { class: 'note' }, 'attachment: ' + ((a && (a.path || a.id)) || '?'));
+  }
+
+  // Pin text, status and the resolve/reopen button: redrawn on every pin update.
+  function renderThreadMeta() {
+    const pin = state.pins.get(state.threadId);
+    if (!ui.thread || !pin) return;
+    const resolved = pin.status === 'resolved';
+    ui.title.textContent = 'Pin #' + (pin.n != null ? pin.n : '?');
+    ui.badge.textContent = resolved ? 'resolved' : 'open';
+    ui.badge.className = 'badge' + (resolved ? ' resolved' : '');
+    ui.thread.setAttribute('data-status', resolved ? 'resolved' : 'open');
+    const notes = [];
+    if (resolved && pin.resolution) {
+      notes.push('Resolved by ' + (pin.resolution.by || '?') + (pin.resolution.note ? ': ' + pin.resolution.note : ''));
+    }
+    if (pin.verification) notes.push('Verification: ' + pin.verification.outcome + (pin.verification.note ? ': ' + pin.verification.note : ''));
+    fill(ui.meta,
+      h('div', { class: 'pintext', 'data-pinbox': 'pin-text' }, pin.text || ''),
+      h('code', { title: (pin.target && pin.target.selector) || '' }, (pin.target && pin.target.selector) || ''),
+      (pin.attachments || []).length ? h('div', { class: 'shots' }, pin.attachments.map(attachmentView)) : null,
+      notes.map((n) => h('div', { class: 'note' }, n)));
+    // Swap the button only when the status flips: replacing it mid-click would eat the click.
+    const want = resolved ? 'reopen' : 'resolve';
+    const current = ui.statusButton.firstChild;
+    if (current && current.getAttribute('data-pinbox') === want) return;
+    fill(ui.statusButton, resolved
+      ? h('button', { type: 'button', 'data-pinbox': 'reopen', onclick: () => changeStatus('/verify', { outcome: 'reopened' }) }, 'Reopen')
+      : h('button', { type: 'button', class: 'ok', 'data-pinbox': 'resolve', onclick: () => changeStatus('/resolve', { by: 'human' }) }, 'Resolve'));
+  }
+
+  function renderMessages() {
+    if (!ui.thread) return;
+    ui.list.replaceChildren(...state.messages.map(messageView));
+    if (!state.messages.length) ui.list.append(h('div', { class: 'empty' }, 'No replies yet.'));
+    ui.list.scrollTop = ui.list.scrollHeight;
+  }
+
+  function messageView(m) {
+    const when = m.at ? new Date(m.at) : null;
+    return h('div', { class: 'msg ' + (m.role || ''), 'data-pinbox': 'message', 'data-message-id': m.id, 'data-role': m.role },
+      h('div', { class: 'who' }, (m.role || '?') + (when && !isNaN(when) ? ' ' + DOT + ' ' + when.toLocaleTimeString() : '')),
+      h('div', { class: 'text' }, m.text || ''),
+      (m.attachments || []).map(attachmentView));
+  }
+
+  function addMessage(m) {
+    if (!m || m.pinId !== state.threadId || state.messages.some((x) => x.id === m.id)) return;
+    state.messages.push(m);
+    // Append rather than redraw: a selection or a loaded image elsewhere stays put.
+    const placeholder = ui.list.querySelector('.empty');
+    if (placeholder) placeholder.remove();
+    ui.list.append(messageView(m));
+    ui.list.scrollTop = ui.list.scrollHeight;
+  }
+
+  async function sendReply() {
+    const id = state.threadId;
+    const text = ui.reply.value.trim();
+    if (!id || !text || ui.send.disabled) return;
+    ui.send.disabled = true;
+    try {
+      const data = await api('POST', '/pins/' + encodeURIComponent(id) + '/thread', { role: 'human', text });
+      ui.reply.value = '';
+      addMessage(data && data.message ? data.message : data);
+    } catch (err) {
+      report(err);
+    } finally {
+      ui.send.disabled = false;
+    }
+  }
+
+  async function changeStatus(path, body) {
+    const id = state.threadId;
+    const button = ui.statusButton.firstChild;
+    button.disabled = true;  // a double click would answer E_CONFLICT
+    try {
+      const data = await api('POST', '/pins/' + encodeURIComponent(id) + path, body);
+      upsert(data && data.pin ? data.pin : data);
+    } finally {
+      button.disabled = false;
+    }
+  }
+
+  // ------------------------------------------------------------ live updates
+
+  // EventSource cannot send headers, so the token rides in the query string.
+  function connect() {
+    clearTimeout(state.retryTimer);
+    if (state.es) state.es.close();
+    let es;
+    try {
+      es = new EventSource(ENDPOINT + '/stream?token=' + encodeURIComponent(TOKEN) + '&after=' + state.lastSeq);
+    } catch (err) { retry(); return; }
+    state.es = es;
+    const onEvent = guard((m) => handleEvent(m.data));
+    es.onmessage = onEvent;  // unnamed events
+    for (const t of EVENT_TYPES) es.addEventListener(t, onEvent);  // named ones; seq dedupes
+    let openedAt = 0;
+    es.onopen = () => { openedAt = Date.now(); state.streamWarned = false; };
+    // Recreate rather than let the browser retry: the new URL carries the latest seq.
+    es.onerror = () => {
+      es.close();
+      if (state.es !== es) return;
+      state.es = null;
+      // A stream that lived a while and ended comes back at once; failures back off.
+      if (openedAt && Date.now() - openedAt > 2000) state.backoff = 250;
+      if (!state.streamWarned && state.backoff >= 4000) {
+        state.streamWarned = true;
+        toast('Live updates interrupted; retrying...', 'error');
+      }
+      retry();
+    };
+  }
+
+  function retry() {
+    clearTimeout(state.retryTimer);
+    state.retryTimer = setTimeout(connect, state.backoff);
+    state.backoff = Math.min(state.backoff * 2, 30000);
+  }
+
+  function handleEvent(raw) {
+    const ev = JSON.parse(raw);
+    if (!ev || typeof ev !== 'object') return;
+    if (typeof ev.seq === 'number') {
+      if (ev.seq <= state.lastSeq) return;
+      state.lastSeq = ev.seq;
+    }
+    if (ev.type === 'thread.message') addMessage(ev.payload);
+    else if (EVENT_TYPES.includes(ev.type)) upsert(ev.payload);
+  }
+
+  // ------------------------------------------------------------------ wiring
+
+  const onKey = guard((e) => {
+    if (e.key === 'Escape') {
+      if (state.picking) stopPicking();
+      else if (ui.composer) closeComposer();
+      else if (ui.thread) closeThread();
+      else return;
+      e.preventDefault();
+      e.stopPropagation();
+      return;
+    }
+    if ((e.key === 'p' || e.key === 'P') && !e.repeat && !e.isComposing && !e.ctrlKey && !e.metaKey && !e.altKey && !isEditable(e.composedPath()[0])) {
+      e.preventDefault();
+      if (state.picking) stopPicking(); else startPicking();
+    }
+  });
+
+  function start() {
+    mount();
+    window.addEventListener('keydown', onKey, true);
+    window.addEventListener('scroll', schedule, { capture: true, passive: true });
+    window.addEventListener('resize', schedule, { passive: true });
+    // Once a second: catch layout shifts that fire no scroll/resize, and single-page-app
+    // route changes (pushState fires no event) that change which pins belong here.
+    let lastPath = location.pathname;
+    setInterval(guard(() => {
+      if (location.pathname !== lastPath) { lastPath = location.pathname; renderMarkers(); } else schedule();
+    }), 1000);
+    window.addEventListener('pagehide', () => { if (state.es) state.es.close(); state.es = null; clearTimeout(state.retryTimer); });
+    window.addEventListener('pageshow', (e) => { if (e.persisted) connect(); });  // back/forward cache
+    api('GET', '/pins')
+      .then((data) => {
+        const pins = Array.isArray(data) ? data : (data && data.pins) || [];
+        for (const p of pins) if (p && p.id) state.pins.set(p.id, p);
+        renderMarkers();
+      })
+      .catch(report)
+      .then(connect);
+  }
+
+  if (document.body) guard(start)();
+  else document.addEventListener('DOMContentLoaded', guard(start), { once: true });
+})();
+"""
 
 PAGE_HTML = """<!doctype html>
 <meta charset="utf-8"><title>pinbox</title>

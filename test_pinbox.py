@@ -2037,6 +2037,282 @@ def pid_running(pid):
         return True
 
 
+class Chromium:
+    """Headless Chromium driven over the DevTools protocol through a pipe (no port to
+    open), for the toolbar test. Test tooling only."""
+
+    FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--disable-default-apps", "--disable-extensions", "--disable-breakpad", "--mute-audio",
+             "--no-default-browser-check", "--hide-scrollbars", "--password-store=basic",
+             # nothing but this machine: no DNS for any other name
+             "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE localhost , EXCLUDE 127.0.0.1",
+             "--window-size=1280,800", "--remote-debugging-pipe"]
+    # Chromium reads commands on fd 3 and answers on fd 4.
+    LAUNCHER = "import os,sys; os.dup2(int(sys.argv[1]),3); os.dup2(int(sys.argv[2]),4); os.execv(sys.argv[3],sys.argv[3:])"
+
+    def __init__(self, binary, workdir):
+        self.home = tempfile.mkdtemp(prefix="chromium-", dir=workdir)
+        to_r, self.w = os.pipe()
+        self.r, from_w = os.pipe()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DBUS")}
+        env.update(HOME=self.home, TMPDIR=self.home, XDG_CONFIG_HOME=self.home, XDG_CACHE_HOME=self.home)
+        self.log = open(os.path.join(self.home, "stderr.log"), "wb")
+        self.proc = subprocess.Popen([sys.executable, "-c", self.LAUNCHER, str(to_r), str(from_w), binary]
+                                     + self.FLAGS + ["--user-data-dir=" + os.path.join(self.home, "profile"),
+                                                     "about:blank"],
+                                     pass_fds=(to_r, from_w), env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=self.log, start_new_session=True)
+        os.close(to_r)
+        os.close(from_w)
+        self.buffer, self.next_id, self.events, self.session = b"", 0, [], None
+        self.call("Browser.getVersion", timeout=30)
+
+    def _message(self, deadline):
+        import select
+        while b"\0" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.r], [], [], left)[0]:
+                raise TimeoutError("chromium did not answer")
+            chunk = os.read(self.r, 1 << 20)
+            if not chunk:
+                raise RuntimeError("chromium exited: " + self.stderr_tail())
+            self.buffer += chunk
+        raw, self.buffer = self.buffer.split(b"\0", 1)
+        return json.loads(raw)
+
+    def call(self, method, params=None, timeout=20, page=False):
+        self.next_id += 1
+        message = {"id": self.next_id, "method": method, "params": params or {}}
+        if page:
+            message["sessionId"] = self.session
+        os.write(self.w, json.dumps(message).encode() + b"\0")
+        deadline = time.monotonic() + timeout
+        while True:
+            answer = self._message(deadline)
+            if answer.get("id") == self.next_id:
+                if "error" in answer:
+                    raise RuntimeError("%s: %s" % (method, answer["error"]))
+                return answer.get("result", {})
+            self.events.append(answer)
+
+    def open(self, url):
+        target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+        self.session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        for method in ("Page.enable", "Runtime.enable"):
+            self.call(method, page=True)
+        self.call("Emulation.setDeviceMetricsOverride", {"width": 1280, "height": 800, "deviceScaleFactor": 1,
+                                                         "mobile": False}, page=True)
+        self.events = []
+        self.call("Page.navigate", {"url": url}, page=True)
+        deadline = time.monotonic() + 20
+        while not any(e.get("method") == "Page.loadEventFired" for e in self.events):
+            self.events.append(self._message(deadline))
+
+    def evaluate(self, expression):
+        result = self.call("Runtime.evaluate", {"expression": expression, "returnByValue": True,
+                                                "awaitPromise": True}, page=True)
+        if "exceptionDetails" in result:
+            raise AssertionError("JS: %s" % result["exceptionDetails"].get("exception", {}).get("description"))
+        return result["result"].get("value")
+
+    def wait_for(self, expression, timeout=5.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = self.evaluate(expression)
+            if value:
+                return value
+            time.sleep(0.05)
+        raise AssertionError("timed out waiting for: " + expression)
+
+    def click(self, x, y):
+        for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
+            self.call("Input.dispatchMouseEvent", {"type": kind, "x": x, "y": y, "button": "left", "clickCount": 1},
+                      page=True)
+
+    def click_at(self, element_js):
+        """Clicks the middle of the element an expression names."""
+        rect = self.evaluate("(() => { const r = (%s).getBoundingClientRect(); return [r.x + r.width / 2, "
+                             "r.y + r.height / 2]; })()" % element_js)
+        self.click(*rect)
+
+    def type_text(self, text):
+        self.call("Input.insertText", {"text": text}, page=True)
+
+    def key(self, key, code=0):
+        for kind in ("keyDown", "keyUp"):
+            self.call("Input.dispatchKeyEvent", {"type": kind, "key": key, "code": key, "windowsVirtualKeyCode": code},
+                      page=True)
+
+    def screenshot(self, path):
+        data = self.call("Page.captureScreenshot", {"format": "png"}, page=True)["data"]
+        with open(path, "wb") as handle:
+            handle.write(base64.b64decode(data))
+
+    def stderr_tail(self):
+        with open(os.path.join(self.home, "stderr.log"), "rb") as handle:
+            return handle.read()[-2000:].decode("utf-8", "replace")
+
+    def close(self):
+        try:
+            self.call("Browser.close", timeout=5)
+        except Exception:
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        self.proc.wait()
+        self.log.close()
+        for fd in (self.r, self.w):
+            os.close(fd)
+
+
+def chromium_binary():
+    for path in (os.environ.get("PINBOX_TEST_CHROMIUM"), "/usr/lib/chromium/chromium", shutil.which("chromium"),
+                 shutil.which("chromium-browser")):
+        if path and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+class TestToolbarInChromium(HubCase):
+    """The page toolbar in a real browser: a person pins an element, an agent replies, a
+    commit resolves it, and the page follows along without a reload."""
+
+    def setUp(self):
+        binary = chromium_binary()
+        if binary is None:
+            self.skipTest("chromium not installed (Debian package chromium; .ci/run installs it)")
+        super().setUp()
+        page = ("<!doctype html><meta charset=utf-8><title>Shop</title>"
+                "<style>body{font:16px sans-serif;margin:40px} .card{margin:30px 0;padding:10px;border:1px solid #ccc}"
+                "p{margin:8px 0}</style>"
+                "<h1>Checkout</h1><div class=card><div><p>Subtotal 10 EUR</p><p>Shipping is cut off here</p></div>"
+                "</div><button id=save onclick=\"document.title='clicked'\">Save</button>"
+                "<script src=\"http://127.0.0.1:%d/toolbar.js\" data-token=\"%s\"></script>" % (self.port, self.token))
+
+        class Page(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                data = page.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html; charset=utf-8")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+        threading.Thread(target=site.serve_forever, daemon=True).start()
+        self.addCleanup(site.server_close)
+        self.addCleanup(site.shutdown)
+        self.url = "http://localhost:%d/checkout" % site.server_address[1]  # another origin than the hub's
+        self.browser = Chromium(binary, self.tmp)
+        self.addCleanup(self.browser.close)
+
+    def shadow(self, selector):
+        return "document.getElementById('pinbox-toolbar-host').shadowRoot.querySelector(%s)" % json.dumps(selector)
+
+    def test_pin_reply_and_resolve_from_a_page(self):
+        b = self.browser
+        b.open(self.url)
+        b.wait_for("!!document.getElementById('pinbox-toolbar-host') && !!(%s)" % self.shadow('[data-pinbox="toggle"]'))
+        b.click_at(self.shadow('[data-pinbox="toggle"]'))
+        target = "document.querySelectorAll('.card p')[1]"
+        b.click_at(target)
+        self.assertEqual(b.evaluate("document.title"), "Shop")  # the page's own handlers did not fire
+        b.wait_for("!!(%s)" % self.shadow('[data-pinbox="comment"]'))
+        b.click_at(self.shadow('[data-pinbox="comment"]'))
+        b.type_text("Shipping line is cut off")
+        b.click_at(self.shadow('[data-pinbox="submit"]'))
+        marker = self.shadow('[data-pinbox="marker"]')
+        b.wait_for("!!(%s)" % marker)
+        pins = self.ok("list")
+        self.assertEqual(len(pins), 1)
+        pin = pins[0]
+        self.assertEqual((pin["text"], pin["target"]["url"], pin["target"]["tag"]),
+                         ("Shipping line is cut off", self.url, "p"))
+        self.assertTrue(b.evaluate("(() => { const m = document.querySelectorAll(%s); return m.length === 1 && "
+                                   "m[0] === %s; })()" % (json.dumps(pin["target"]["selector"]), target)),
+                        pin["target"]["selector"])
+        rect = b.evaluate("(() => { const r = (%s).getBoundingClientRect(); return [r.x + scrollX, r.y + scrollY, "
+                          "r.width, r.height]; })()" % target)
+        self.assertEqual([round(pin["target"]["rect"][k]) for k in ("x", "y", "width", "height")],
+                         [round(v) for v in rect])
+        self.assertEqual(pin["env"]["viewport"], {"w": 1280, "h": 800, "dpr": 1})
+        self.assertEqual(b.evaluate("(%s).textContent.trim()" % marker), str(pin["n"]))
+        # The thread opens from the marker; an agent's reply shows up in it, live.
+        b.click_at(marker)
+        b.wait_for("!!(%s)" % self.shadow('[data-pinbox="thread"]'))
+        self.ok("reply", pin["id"], "Fixed the overflow on the shipping row", "--as", "agent")
+        started = time.monotonic()
+        b.wait_for("Array.from(document.getElementById('pinbox-toolbar-host').shadowRoot.querySelectorAll("
+                   "'[data-pinbox=\"message\"]')).some(m => m.textContent.includes('Fixed the overflow'))", 2.0)
+        reply_seconds = time.monotonic() - started
+        # A commit resolves it: the marker turns green.
+        git_commit(self.repo, "Fix shipping row\n\nFixes: %s" % pin["id"], "fix.txt", env=self.env)
+        self.assertEqual(self.ok("show", pin["id"])["pin"]["status"], "resolved")
+        b.wait_for("(%s).dataset.status === 'resolved'" % marker, 2.0)
+        self.assertEqual(b.evaluate("getComputedStyle(%s).backgroundColor" % marker), "rgb(43, 138, 62)")
+        b.key("Escape", 27)
+        b.wait_for("!(%s)" % self.shadow('[data-pinbox="thread"]'))
+        shots = os.path.join(os.environ.get("TMPDIR", "/tmp"), "pinbox-test-artifacts")
+        os.makedirs(shots, exist_ok=True)
+        b.screenshot(os.path.join(shots, "toolbar.png"))
+        print("\n  toolbar screenshot: %s (reply reached the page in %.2f s)" % (os.path.join(shots, "toolbar.png"),
+                                                                              reply_seconds))
+
+    def test_the_hub_page_shows_pins_sessions_and_deliveries(self):
+        self.ok("session", "register", "--agent", "claude", "--key", "k-page", "--cwd", self.repo)
+        pin = self.pin("Footer overlaps the cookie banner")
+        self.ok("reply", pin["id"], "which page?", "--as", "agent")
+        b = self.browser
+        b.open("http://127.0.0.1:%d/#token=%s" % (self.port, self.token))
+        b.wait_for("document.getElementById('pins').rows.length > 1 && "
+                   "document.getElementById('deliveries').rows.length > 1")
+        pins = b.evaluate("document.getElementById('pins').innerText")
+        self.assertIn("Footer overlaps the cookie banner", pins)
+        b.wait_for("document.getElementById('pins').innerText.includes('agent: which page?')")
+        self.assertIn("k-page", b.evaluate("document.getElementById('sessions').innerText"))
+        deliveries = b.evaluate("document.getElementById('deliveries').innerText")
+        self.assertIn("pin.created", deliveries)
+        self.assertIn("hooks", deliveries)
+        b.open("http://127.0.0.1:%d/#token=wrong" % self.port)
+        b.wait_for("document.getElementById('err').textContent.includes('missing or invalid bearer token')")
+
+    def test_reopen_and_reply_from_the_page(self):
+        pin = self.post_pin("Logo is blurry", target={"url": "http://localhost:1/elsewhere", "selector": "h1"})
+        other = self.api("POST", "/pins", {"text": "Heading too big", "author": {"userId": "u"},
+                                           "target": {"url": self.url, "selector": "h1"}}, 201)
+        self.ok("resolve", other["id"])
+        b = self.browser
+        b.open(self.url)
+        marker = self.shadow('[data-pinbox="marker"]')
+        b.wait_for("!!(%s) && (%s).dataset.status === 'resolved'" % (marker, marker))
+        self.assertEqual(b.evaluate("document.getElementById('pinbox-toolbar-host').shadowRoot"
+                                    ".querySelectorAll('[data-pinbox=\"marker\"]').length"), 1)  # only this page's
+        b.click_at(marker)
+        b.wait_for("!!(%s)" % self.shadow('[data-pinbox="reopen"]'))
+        b.click_at(self.shadow('[data-pinbox="reopen"]'))
+        b.wait_for("(%s).dataset.status === 'open'" % marker)
+        self.assertEqual(self.ok("show", other["id"])["pin"]["verification"]["outcome"], "reopened")
+        b.click_at(self.shadow('[data-pinbox="reply"]'))
+        b.type_text("Still too big on mobile")
+        b.click_at(self.shadow('[data-pinbox="send"]'))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not self.ok("show", other["id"])["thread"]:
+            time.sleep(0.1)
+        self.assertEqual([(m["role"], m["text"]) for m in self.ok("show", other["id"])["thread"]],
+                         [("human", "Still too big on mobile")])
+        self.assertTrue(pin)
+
+
 # ============================================================================
 # Hook I/O and init: with the real Claude Code, Codex and Hermes
 # ============================================================================
