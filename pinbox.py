@@ -2686,7 +2686,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
 })();
 """
 
-PAGE_HTML = """<!doctype html>
+PAGE_HTML = r"""<!doctype html>
 <meta charset="utf-8"><title>pinbox</title>
 <style>
 body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#1f2430}
