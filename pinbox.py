@@ -1382,11 +1382,12 @@ def wait_folder(store):
     return os.path.join(store.directory, "inbox-wait")
 
 
-def wake_waiters(store, session_id):
-    """A byte into the FIFO of each reader parked on this inbox."""
+def wake_waiters(store, session_id=None):
+    """A byte into the FIFO of each reader parked on this inbox (on every inbox, when
+    no session is named)."""
     folder = wait_folder(store)
     try:
-        names = [n for n in os.listdir(folder) if n.startswith(session_id + ".")]
+        names = [n for n in os.listdir(folder) if session_id is None or n.startswith(session_id + ".")]
     except OSError:
         return
     for name in names:
@@ -3308,6 +3309,7 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
 
         def __init__(self, *args):
             self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+            self.active = 0
             super().__init__(*args)
 
         def process_request(self, request, client_address):
@@ -3319,12 +3321,16 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
                 finally:
                     self.shutdown_request(request)
                 return
+            with hub._lock:
+                self.active += 1
             super().process_request(request, client_address)
 
         def process_request_thread(self, request, client_address):
             try:
                 super().process_request_thread(request, client_address)
             finally:
+                with hub._lock:
+                    self.active -= 1
                 self.slots.release()
 
     handler = make_handler(hub, activity)
@@ -3345,6 +3351,8 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
             stop.set()
             hub.stopping.set()
             hub.changed()
+            with hub.store() as store:
+                wake_waiters(store)  # every parked inbox reader: the wait is cut short
             threading.Thread(target=server.shutdown, daemon=True).start()
 
     def idle_watch():
@@ -3364,6 +3372,9 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
+        deadline = time.monotonic() + 2  # requests in flight (a cut-short wait, say) get their answer
+        while server.active and time.monotonic() < deadline:
+            time.sleep(0.02)
         server.server_close()
         current = read_hub_json(hub_json)
         if current and current["pid"] == os.getpid():

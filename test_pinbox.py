@@ -1580,6 +1580,162 @@ class TestInitAgents(PinboxCase):
 
 
 # ============================================================================
+# Inbox
+# ============================================================================
+
+class TestInbox(HookCase):
+    def setUp(self):
+        super().setUp()
+        self.a = self.ok("session", "register", "--agent", "claude", "--key", "a")["id"]
+        self.b = self.ok("session", "register", "--agent", "codex", "--key", "b")["id"]
+
+    def as_(self, session):
+        return dict(self.env, PINBOX_SESSION=session)
+
+    def post(self, to, text, sender=None, **kw):
+        return self.ok("agent", "post", to, text, env=self.as_(sender) if sender else self.env, **kw)
+
+    def inbox(self, reader, *args):
+        return self.ok("agent", "inbox", *args, env=self.as_(reader))
+
+    def test_reading_removes_nothing_and_only_the_receivers_read_marks_seen(self):
+        sent = self.post(self.b, "build is green", sender=self.a)
+        self.assertEqual((sent["session"], sent["pending"], sent["unseen"]), (self.b, 1, 1))
+        peek = self.inbox(self.a, self.b)  # someone else's inbox: a peek
+        self.assertEqual([(m["text"], m["seen"], m["from"]) for m in peek["messages"]],
+                         [("build is green", False, self.a)])
+        self.assertEqual(self.inbox(self.a, self.b)["messages"][0]["seen"], False)
+        first = self.inbox(self.b)
+        self.assertEqual((first["messages"][0]["seen"], first["unseen"]), (False, 0))
+        second = self.inbox(self.b)
+        self.assertEqual([m["seen"] for m in second["messages"]], [True])  # still there until acked
+        self.assertEqual(self.post(self.b, "from the user")["pending"], 2)
+        self.assertIsNone(self.inbox(self.b)["messages"][1]["from"])  # not an agent session: the user
+
+    def test_only_the_receiver_acks(self):
+        message = self.post(self.b, "task", sender=self.a)
+        error = self.fails("E_FORBIDDEN", 12, "agent", "ack", message["id"], env=self.as_(self.a))
+        self.assertIn("only the receiver", error["message"])
+        self.fails("E_FORBIDDEN", 12, "agent", "ack", message["id"])
+        self.fails("E_NOT_FOUND", 3, "agent", "ack", "msg_0000000000", env=self.as_(self.b))
+        self.assertEqual(self.ok("agent", "ack", message["id"].upper(), env=self.as_(self.b))["acked"], [message["id"]])
+        self.assertEqual(self.inbox(self.b)["messages"], [])
+
+    def test_wait_semantics(self):
+        self.post(self.b, "already here")
+        started = time.monotonic()
+        self.assertEqual(len(self.ok("agent", "inbox", "--wait", "--timeout", "5000", env=self.as_(self.b))["messages"]), 1)
+        self.assertLess(time.monotonic() - started, 3)
+        # Seen but unacked mail does not end a wait: it times out with exit 2.
+        r = self.run_pinbox("agent", "inbox", "--wait", "--timeout", "300", env=self.as_(self.b))
+        self.assertEqual((r.code, r.json["error"]["code"]), (2, "E_TIMEOUT"))
+        # Someone else's inbox returns at once while it holds unseen mail.
+        self.post(self.a, "for a")
+        self.assertEqual(self.ok("agent", "inbox", self.a, "--wait", "--timeout", "5000", env=self.as_(self.b))
+                         ["messages"][0]["text"], "for a")
+        # A post from another process wakes a parked reader.
+        waiter = subprocess.Popen([sys.executable, "-c", BOOT, "agent", "inbox", "--wait", "--timeout", "20000"],
+                                  cwd=self.repo, env=self.as_(self.b), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.wait_parked(self.b)
+        self.assertTrue([s for s in self.ok("agent", "ls") if s["id"] == self.b][0]["inbox"]["parked"])
+        self.post(self.b, "wake up")
+        out, err = waiter.communicate(timeout=20)
+        self.assertEqual(waiter.returncode, 0, err)
+        self.assertIn("wake up", [m["text"] for m in json.loads(out)["data"]["messages"]])
+        # The session disappears while a reader waits: exit 3.
+        self.ok("agent", "inbox", env=self.as_(self.a))  # nothing unseen left
+        waiter = subprocess.Popen([sys.executable, "-c", BOOT, "agent", "inbox", "--wait", "--timeout", "20000"],
+                                  cwd=self.repo, env=self.as_(self.a), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.wait_parked(self.a)
+        self.ok("session", "forget", self.a)
+        waiter.communicate(timeout=20)
+        self.assertEqual(waiter.returncode, 3)
+
+    def wait_parked(self, session, count=1):
+        folder = os.path.join(self.repo, ".pinbox", "inbox-wait")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if os.path.isdir(folder) and len([n for n in os.listdir(folder) if n.startswith(session)]) >= count:
+                return
+            time.sleep(0.02)
+        self.fail("no reader parked on %s" % session)
+
+    def test_a_wait_cut_short_exits_2(self):
+        waiter = subprocess.Popen([sys.executable, "-c", BOOT, "agent", "inbox", "--wait", "--timeout", "20000"],
+                                  cwd=self.repo, env=self.as_(self.b), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.wait_parked(self.b)
+        waiter.send_signal(signal.SIGTERM)
+        out, err = waiter.communicate(timeout=20)
+        self.assertEqual(waiter.returncode, 2, err)
+        self.assertEqual(json.loads(out)["error"]["message"], "the wait was cut short")
+        waiter = subprocess.Popen([sys.executable, "-c", BOOT, "agent", "inbox", "--wait", "--timeout", "20000"],
+                                  cwd=self.repo, env=self.as_(self.b), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.wait_parked(self.b)
+        shutil.rmtree(os.path.join(self.repo, ".pinbox"))  # the store goes away
+        out, err = waiter.communicate(timeout=20)
+        self.assertEqual(waiter.returncode, 2, err)
+        self.assertNotIn(b"Traceback", err)
+
+    def test_text_survives_byte_for_byte(self):
+        text = 'line one\n  "quoted" and \'single\' \\ back\\slash $HOME $(rm -rf /) `tick`\n\tünïcödé ✓ 漢字\n'
+        self.post(self.b, "-", stdin=text.encode())
+        self.post(self.b, text)
+        self.assertEqual([m["text"] for m in self.inbox(self.b)["messages"]], [text, text])
+
+    def test_limits_refuse_and_keep_the_oldest(self):
+        self.fails("E_INVALID_INPUT", 2, "agent", "post", self.b, "x" * (16 * 1024 + 1))
+        self.fails("E_NOT_FOUND", 3, "agent", "post", "ses_0000000000", "hello")
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        for i in range(200):
+            pinbox.post_message(store, self.b, "message %d" % i)
+        store.close()
+        error = self.fails("E_CONFLICT", 4, "agent", "post", self.b, "one too many")
+        self.assertIn("full", error["message"])
+        texts = [m["text"] for m in self.inbox(self.b)["messages"]]
+        self.assertEqual((len(texts), texts[0], texts[-1]), (200, "message 0", "message 199"))
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        for i in range(32):
+            pinbox.post_message(store, self.a, "y" * 16000)
+        store.close()
+        self.fails("E_CONFLICT", 4, "agent", "post", self.a, "y" * 16000)  # past 512 KiB
+        self.assertEqual(self.inbox(self.a)["pending"], 32)
+
+    def test_expiry_forget_and_the_prompt_line(self):
+        self.post(self.b, "old news")
+        conn = sqlite3.connect(self.db_path)
+        conn.execute("UPDATE inbox SET posted_at = ?", (pinbox.iso_time(time.time() - 13 * 3600),))
+        conn.commit()
+        conn.close()
+        self.assertEqual(self.inbox(self.b)["messages"], [])
+        self.post(self.b, "fresh", sender=self.a)
+        context = self.inject("b", agent="codex")
+        self.assertIn("Pinbox inbox: 1 unread message(s) from other sessions — read them with `pinbox agent inbox`",
+                      context)
+        self.inbox(self.b)
+        self.assertEqual(self.inject("b", agent="codex"), "")  # nothing open, nothing unseen: silent
+        self.ok("session", "forget", self.b)
+        self.assertEqual(self.sql("SELECT COUNT(*) FROM inbox WHERE session_id = ?", self.b)[0][0], 0)
+
+    def test_wake_latency_from_another_process(self):
+        latencies = []
+        for i in range(50):
+            waiter = subprocess.Popen([sys.executable, "-c", BOOT, "agent", "inbox", "--wait", "--timeout", "20000"],
+                                      cwd=self.repo, env=self.as_(self.b), stdout=subprocess.PIPE)
+            self.wait_parked(self.b)
+            poster = subprocess.Popen([sys.executable, "-c", BOOT, "agent", "post", self.b, "ping %d" % i],
+                                      cwd=self.repo, env=self.env, stdout=subprocess.PIPE)
+            poster.communicate(timeout=20)
+            posted = time.monotonic()
+            waiter.communicate(timeout=20)
+            latencies.append(time.monotonic() - posted)
+            self.ok("agent", "ack", *[m["id"] for m in self.inbox(self.b)["messages"]], env=self.as_(self.b))
+        median = sorted(latencies)[len(latencies) // 2]
+        print("\n  inbox wake after a post from another process: median %.1f ms, max %.1f ms over 50 trials"
+              % (median * 1000, max(latencies) * 1000))
+        self.assertLess(median, 0.1)
+
+
+# ============================================================================
 # Hub
 # ============================================================================
 
@@ -1593,8 +1749,10 @@ class HubCase(PinboxCase):
         self.ok("init")
         self.start_hub()
 
+    HUB_ENV = {}
+
     def start_hub(self, env=None):
-        env = dict(env or self.env, PINBOX_IDLE_MS=self.IDLE_MS)
+        env = dict(env or self.env, PINBOX_IDLE_MS=self.IDLE_MS, **self.HUB_ENV)
         self.proc = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=self.repo, env=env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.addCleanup(self.stop_hub, self.proc)
@@ -1839,6 +1997,97 @@ class TestHubApi(HubCase):
         self.assertEqual(errors, [])
         self.assertEqual(len(set(made)), 600)
         self.assertEqual(sorted(r[0] for r in self.sql("SELECT n FROM pins")), list(range(1, 601)))
+
+
+class TestInboxOverHttp(HubCase):
+    """The inbox routes (their rules are tested through the CLI in the Inbox section)."""
+    HUB_ENV = {"PINBOX_MAX_SESSIONS": "500"}
+
+    def call(self, method, path, body=None, caller=None, status=200):
+        code, data, _ = self.request(method, path, body, headers={"X-Pinbox-Session": caller} if caller else None)
+        self.assertEqual(code, status, data)
+        return data
+
+    def test_inbox_routes_and_rules(self):
+        a = self.call("POST", "/sessions", {"agent": "claude", "key": "a"}, status=201)["data"]["id"]
+        b = self.call("POST", "/sessions", {"agent": "claude", "key": "b"}, status=201)["data"]["id"]
+        sent = self.call("POST", "/sessions/%s/inbox" % b, {"text": "hi\nthere"}, caller=a, status=201)["data"]
+        self.assertEqual((sent["pending"], sent["unseen"]), (1, 1))
+        peek = self.call("GET", "/sessions/%s/inbox" % b, caller=a)["data"]
+        self.assertEqual([(m["from"], m["seen"]) for m in peek["messages"]], [(a, False)])
+        self.assertEqual(self.call("GET", "/sessions/%s/inbox" % b, caller=b)["data"]["unseen"], 0)
+        self.assertEqual(self.call("GET", "/sessions/%s/inbox" % b, caller=b)["data"]["messages"][0]["seen"], True)
+        timed = self.call("GET", "/sessions/%s/inbox?wait=200" % b, caller=b)["data"]
+        self.assertTrue(timed["timedOut"])
+        self.assertEqual(self.call("POST", "/sessions/%s/inbox/ack" % b, {"ids": [sent["id"]]}, caller=a,
+                                   status=403)["error"]["code"], "E_FORBIDDEN")
+        self.call("POST", "/sessions/%s/inbox/ack" % b, {"ids": [sent["id"]]}, caller=b)
+        self.assertEqual(self.call("GET", "/agent-inbox/summary")["data"][0]["inbox"],
+                         {"pending": 0, "new": 0, "parked": False})
+        for i in range(200):
+            self.call("POST", "/sessions/%s/inbox" % a, {"text": "m%d" % i}, status=201)
+        self.assertEqual(self.call("POST", "/sessions/%s/inbox" % a, {"text": "full"}, status=409)["error"]["code"],
+                         "E_CONFLICT")
+        self.call("GET", "/sessions/ses_0000000000/inbox", status=404)
+
+    def test_two_hundred_parked_readers_each_woken_by_their_own_post(self):
+        ids = [self.call("POST", "/sessions", {"agent": "claude", "key": "w%d" % i}, status=201)["data"]["id"]
+               for i in range(200)]
+        got, errors = {}, []
+
+        def park(session):
+            try:
+                data = self.call("GET", "/sessions/%s/inbox?wait=30000" % session, caller=session)["data"]
+                got[session] = [m["text"] for m in data["messages"]]
+            except Exception as exc:
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=park, args=(s,)) for s in ids]
+        for thread in threads:
+            thread.start()
+        folder = os.path.join(self.repo, ".pinbox", "inbox-wait")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (not os.path.isdir(folder) or len(os.listdir(folder)) < 200):
+            time.sleep(0.05)
+        self.assertEqual(len(os.listdir(folder)), 200)
+        self.assertEqual(sum(s["inbox"]["parked"] for s in self.call("GET", "/agent-inbox/summary")["data"]), 200)
+        for session in ids:
+            self.call("POST", "/sessions/%s/inbox" % session, {"text": "for " + session}, status=201)
+        for thread in threads:
+            thread.join(timeout=60)
+        self.assertEqual(errors, [])
+        self.assertEqual(got, {s: ["for " + s] for s in ids})
+
+    def test_inboxes_survive_a_restart_unless_ephemeral(self):
+        a = self.call("POST", "/sessions", {"agent": "claude", "key": "a"}, status=201)["data"]["id"]
+        self.call("POST", "/sessions/%s/inbox" % a, {"text": "kept"}, status=201)
+        self.stop_hub(self.proc)
+        self.start_hub()
+        self.assertEqual([m["text"] for m in self.call("GET", "/sessions/%s/inbox" % a)["data"]["messages"]], ["kept"])
+        self.stop_hub(self.proc)
+        proc = subprocess.Popen([sys.executable, SCRIPT, "serve", "--inbox-ephemeral"], cwd=self.repo, env=self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.addCleanup(self.stop_hub, proc)
+        hub = self.wait_hub_json(lambda data: data["pid"] == proc.pid)
+        self.port = hub["port"]
+        self.assertEqual(self.call("GET", "/sessions/%s/inbox" % a)["data"]["messages"], [])
+
+    def test_a_wait_on_a_hub_that_stops_is_cut_short(self):
+        a = self.call("POST", "/sessions", {"agent": "claude", "key": "a"}, status=201)["data"]["id"]
+        answer = {}
+        thread = threading.Thread(target=lambda: answer.update(r=self.request("GET", "/sessions/%s/inbox?wait=20000" % a)))
+        thread.start()
+        self.wait_parked_folder()
+        self.proc.send_signal(signal.SIGTERM)
+        thread.join(timeout=20)
+        self.assertEqual(answer["r"][0], 503)
+        self.assertEqual(self.proc.wait(timeout=10), 0)
+
+    def wait_parked_folder(self):
+        folder = os.path.join(self.repo, ".pinbox", "inbox-wait")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (os.path.isdir(folder) and os.listdir(folder)):
+            time.sleep(0.02)
 
 
 def ws_connect(port, protocols=None, path="/ws"):
