@@ -1150,6 +1150,57 @@ class TestWebhook(DeliveryCase):
         self.assertTrue(sid)
 
 
+class TestQueueRules(DeliveryCase):
+    def test_a_pull_row_nobody_collects_escalates_to_a_push(self):
+        self.receiver("ok")
+        self.env["PINBOX_HOOKS_ESCALATE_MS"] = "300"
+        self.ok("session", "register", "--agent", "claude", "--key", "idle-tui", "--cwd", self.repo)
+        pin = self.pin("nobody pulls this")
+        self.assertEqual(self.sql("SELECT adapter, status FROM deliveries"), [("hooks", "pending")])
+        self.start_hub()
+        rows = self.wait_rows(lambda rows: rows[-1][2] == "delivered")
+        self.assertEqual(rows[-1][1], "webhook")
+        self.assertIn(pin["id"], self.requests()[-1]["body"])
+
+    def test_without_a_push_adapter_an_escalated_row_waits_for_the_next_pull(self):
+        self.env["PINBOX_HOOKS_ESCALATE_MS"] = "200"
+        self.ok("session", "register", "--agent", "claude", "--key", "idle-tui", "--cwd", self.repo)
+        pin = self.pin("waits for the prompt hook")
+        self.start_hub()
+        self.wait_rows(lambda rows: self.sql("SELECT due_at FROM deliveries") == [(None,)])
+        self.assertEqual(self.sql("SELECT adapter, status FROM deliveries"), [("hooks", "pending")])
+        r = self.run_pinbox("session", "inject", "--hook", "--agent", "claude",
+                            stdin=payload("idle-tui", "UserPromptSubmit", self.repo))
+        self.assertIn(pin["id"], r.out)  # a live but idle session is never resumed behind its back
+        self.assertEqual(self.sql("SELECT status FROM deliveries"), [("delivered",)])
+
+    def test_a_failing_push_moves_to_the_next_adapter(self):
+        self.fake_binary("openclaw", "sys.stderr.write('Gateway not reachable (ECONNREFUSED)'); sys.exit(1)")
+        self.receiver("ok")
+        self.start_hub()
+        self.ok("session", "register", "--agent", "openclaw", "--key", "agent:main:main")
+        pin = self.pin("gateway down, webhook up")
+        rows = self.wait_rows(lambda rows: rows[-1][2] == "delivered")
+        self.assertEqual((rows[-1][1], rows[-1][3]), ("webhook", 2))
+        self.assertIn(pin["id"], self.requests()[-1]["body"])
+
+    def test_events_without_a_ledger_row_are_routed_when_the_hub_starts(self):
+        self.receiver("ok")
+        self.ended_session()
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        pin = pinbox.create_pin(store, {"text": "written by an older pinbox", "agentSession": {"agent": "claude",
+                                                                                            "key": "k-ended"}})
+        store.close()
+        conn = sqlite3.connect(self.db_path)
+        conn.execute("DELETE FROM deliveries")  # as an older pinbox left it: events, no ledger
+        conn.commit()
+        conn.close()
+        self.start_hub()
+        rows = self.wait_rows(lambda rows: rows and rows[-1][2] == "delivered")
+        self.assertEqual(len(rows), 1)
+        self.assertIn(pin["id"], self.requests()[-1]["body"])
+
+
 def urllib_post(url, body, headers):
     from urllib.request import Request as HttpRequest, urlopen
     with urlopen(HttpRequest(url, data=body, headers=headers, method="POST"), timeout=10) as answer:
