@@ -306,6 +306,7 @@ class Store:
         with self.guard():
             self.conn = sqlite3.connect(self.path if create or self.exists else ":memory:", timeout=timeout,
                                         isolation_level=None, check_same_thread=False)
+            self.exists = self.exists or create
             mode = self.conn.execute("PRAGMA journal_mode").fetchone()[0]
             if mode != "wal":
                 self.conn.execute("PRAGMA journal_mode=WAL")
@@ -828,6 +829,10 @@ def forget_session(conn, session):
     registers the session again)."""
     conn.execute("DELETE FROM sessions WHERE id = ?", (session["id"],))
     conn.execute("DELETE FROM inbox WHERE session_id = ?", (session["id"],))
+    # What waited for it waits again; its pins' binding brings it back to the same
+    # (agent, key) once that registers again.
+    conn.execute("UPDATE deliveries SET session_id = NULL, adapter = 'none', due_at = NULL, lease_owner = NULL, "
+                 "lease_until = NULL WHERE session_id = ? AND status = 'pending'", (session["id"],))
 
 
 def list_sessions(store):
@@ -1159,7 +1164,8 @@ def build_context(header, pins, messages, limit=CONTEXT_LIMIT, notes=()):
     under `limit` characters: the newest pins are kept, and a last line says how many
     more there are and how to list them."""
     blocks = [message_block(*m) for m in messages]
-    budget = limit - len(header) - len(POINTER) - 200
+    # Room for the header, the pointer, the notes and the two "more" lines.
+    budget = limit - len(header) - len(POINTER) - sum(len(n) + 1 for n in notes) - 250
     shown_blocks, used = [], 0
     for block in reversed(blocks):  # newest messages first when they must be cut
         if used + len(block) + 1 > budget // 2 and shown_blocks:
@@ -1244,29 +1250,42 @@ def run_agent_command(argv, cwd, timeout):
     """Runs an agent CLI in its own process group, stdin from /dev/null; at the
     timeout the whole group is killed (a resumed agent may leave children behind).
     Returns (exit status or None on timeout, stderr tail)."""
-    import signal
     import subprocess
     proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, start_new_session=True)
+    RUNNING_PUSHES.add(proc)
     try:
         _, err = proc.communicate(timeout=timeout)
         return proc.returncode, err.decode("utf-8", "replace").strip()[-500:]
     except subprocess.TimeoutExpired:
-        for sig, grace in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except OSError:
-                pass
-            try:
-                proc.communicate(timeout=grace)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        end_process_group(proc)
+        return None, ""
+    finally:
+        RUNNING_PUSHES.discard(proc)
+
+
+RUNNING_PUSHES = set()  # agent processes a push is waiting on, ended with the hub
+
+
+def end_process_group(proc):
+    """SIGTERM to the group, SIGKILL 2 s later, and once more for children that
+    outlived their leader."""
+    import signal
+    import subprocess
+    for sig, grace in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # children that outlived their leader
+            os.killpg(proc.pid, sig)
         except OSError:
             pass
-        return None, ""
+        try:
+            proc.communicate(timeout=grace)
+            break
+        except (subprocess.TimeoutExpired, ValueError):
+            continue
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def push_openclaw(event, session, pin):
@@ -1372,10 +1391,11 @@ def claim_due(store, owner, limit=32):
                              (chosen, iso_time(), row_id))
                 continue
             lease = (resume_timeout() if chosen == "resume" else ADAPTER_TIMEOUT_S[chosen]) + 30
+            claim = "%s:%s" % (owner, new_id("ses")[4:])  # this claim, not just this hub
             conn.execute("UPDATE deliveries SET adapter = ?, lease_owner = ?, lease_until = ?, updated_at = ? "
-                         "WHERE id = ?", (chosen, owner, iso_time(now + lease), iso_time(), row_id))
+                         "WHERE id = ?", (chosen, claim, iso_time(now + lease), iso_time(), row_id))
             event = {"seq": seq, "type": kind, "at": at, "payload": payload}
-            claimed.append((row_id, chosen, event, session, json.loads(pin_row[0])))
+            claimed.append((row_id, chosen, event, session, json.loads(pin_row[0]), claim))
     return claimed
 
 
@@ -1414,9 +1434,9 @@ def delivery_id(store, row_id):
     return "%s-%d" % (project, row_id)
 
 
-def push(store, claim, owner):
+def push(store, claim):
     """Runs one claimed push (no transaction open) and records how it went."""
-    row_id, adapter, event, session, pin = claim
+    row_id, adapter, event, session, pin, owner = claim
     try:
         if adapter == "openclaw":
             push_openclaw(event, session, pin)
@@ -1480,6 +1500,8 @@ def trailer_ids(message):
 
 def read_commit(cwd, sha=None):
     """(full sha, message) of a commit, or None when git cannot say."""
+    if sha is not None and (not sha or sha.startswith("-")):
+        return None  # a revision, never an option
     out = git_output(["log", "-1", "--format=%H%n%B", sha or "HEAD", "--"], cwd)
     if not out:
         return None
@@ -1862,7 +1884,7 @@ def query_int(request, name, default, low=0, high=None):
     raw = request.query.get(name)
     if raw is None or raw == "":
         return default
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit()):
         raise invalid("%s must be a whole number ≥ %d" % (name, low))
     value = int(raw)
     if value < low or (high is not None and value > high):
@@ -1885,6 +1907,10 @@ def route(hub, request):
         return handler(hub, request, *args)
     except PinboxError as err:
         return error_response(err)
+    except sqlite3.Error as exc:
+        return error_response(store_error(os.path.join(hub.directory, "pinbox.db"), exc))
+    except Exception as exc:  # a bug answers 500 with an envelope; nothing is logged
+        return error_response(PinboxError("E_INTERNAL", "%s: %s" % (type(exc).__name__, exc)))
 
 
 def _match(method, parts):
@@ -1933,7 +1959,7 @@ def r_list_pins(hub, request):
     search = request.query.get("search")
     limit = query_int(request, "limit", PAGE_LIMIT * 5, 1, PAGE_LIMIT * 5)
     with hub.store() as store:
-        pins = list_pins(store, None if search else status, search) if search else list_pins(store, status)
+        pins = list_pins(store, status, search)
     return Response(200, pins[:limit])
 
 
@@ -3027,6 +3053,7 @@ class Hub:
         self.last_seq = 0
         self.streams = 0
         self.toolbars = 0
+        self.pushing = 0
         self._pool = []
         self._lock = threading.Lock()
         self._stamp = None
@@ -3107,7 +3134,11 @@ class _Borrowed:
         if self.store.conn is not None and self.store.conn.in_transaction:
             self.store.conn.execute("ROLLBACK")
         with self.hub._lock:
-            self.hub._pool.append(self.store)
+            keep = len(self.hub._pool) < 8  # a burst of requests leaves no pile of open connections
+            if keep:
+                self.hub._pool.append(self.store)
+        if not keep:
+            self.store.close()
         return False
 
 
@@ -3376,7 +3407,7 @@ def serve_websocket(handler, hub, query):
         while not ws.closed:
             try:
                 frame = ws.receive()
-            except (OSError, ValueError):
+            except Exception:  # a short or garbled frame ends this socket, never the hub
                 frame = None
             if frame is None:
                 break
@@ -3443,21 +3474,30 @@ def delivery_worker(hub, stop, owner, concurrency=16):
     timeout delays no other delivery, no HTTP request and no hook."""
     import threading
     busy = threading.BoundedSemaphore(concurrency)
-    with hub.store() as store:
-        replay_unrouted(store)
+    hub.pushing = 0
+    replayed = False
 
     def run(claim):
         try:
             with hub.store() as store:
-                push(store, claim, owner)
+                push(store, claim)
         finally:
             busy.release()
             hub.changed()  # a retry may now be due sooner than the worker planned to look
 
     while not stop.is_set():
+        if not replayed:
+            try:
+                with hub.store() as store:
+                    replay_unrouted(store)
+                replayed = True
+            except (PinboxError, sqlite3.Error):
+                stop.wait(0.5)  # the store is busy: try again
+                continue
         free = 0
         while busy.acquire(blocking=False):
             free += 1
+        hub.pushing = concurrency - free
         claims = []
         if free:
             try:
@@ -3470,7 +3510,9 @@ def delivery_worker(hub, stop, owner, concurrency=16):
         for _ in range(free - len(claims)):
             busy.release()
         with hub.cond:
-            hub.cond.wait(next_due_in(hub))  # woken at once when an event lands
+            # Woken at once when an event lands or a push ends; with every slot taken
+            # there is nothing to do until one frees.
+            hub.cond.wait(next_due_in(hub) if free > len(claims) else 5.0)
 
 
 def next_due_in(hub):
@@ -3486,8 +3528,11 @@ def next_due_in(hub):
 
 
 def release_leases(hub, owner):
+    for proc in list(RUNNING_PUSHES):
+        end_process_group(proc)  # a resumed agent never outlives the hub that started it
     with hub.store() as store, store.guard(), store.write() as conn:
-        conn.execute("UPDATE deliveries SET lease_owner = NULL, lease_until = NULL WHERE lease_owner = ?", (owner,))
+        conn.execute("UPDATE deliveries SET lease_owner = NULL, lease_until = NULL WHERE lease_owner LIKE ?",
+                     (owner + ":%",))
 
 
 class Activity:
@@ -3647,19 +3692,24 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
         handle.write(json.dumps({"port": bound}, indent=2) + "\n")
     stop = threading.Event()
 
+    def stop_serving():
+        hub.changed()
+        with hub.store() as store:
+            wake_waiters(store)  # every parked inbox reader: the wait is cut short
+        server.shutdown()
+
     def shut_down(*_):
+        # A signal handler takes no locks (the main thread may hold them): a thread
+        # does the work.
         if not stop.is_set():
             stop.set()
             hub.stopping.set()
-            hub.changed()
-            with hub.store() as store:
-                wake_waiters(store)  # every parked inbox reader: the wait is cut short
-            threading.Thread(target=server.shutdown, daemon=True).start()
+            threading.Thread(target=stop_serving, daemon=True).start()
 
     def idle_watch():
         idle = env_number("PINBOX_IDLE_MS", 1800000) / 1000.0
         while not stop.wait(0.2):
-            if hub.streams or hub.toolbars:
+            if hub.streams or hub.toolbars or hub.pushing or RUNNING_PUSHES:
                 activity.touch()
             elif activity.idle_for() > idle:
                 shut_down()
@@ -3725,6 +3775,15 @@ def ensure_hub(root):
     return pid
 
 
+def start_hub_quietly(root):
+    """ensure_hub for a command that already did its job: a hub that cannot start is
+    one line on stderr, never a failed command."""
+    try:
+        ensure_hub(root)
+    except Exception as exc:
+        write_err("pinbox: could not start the hub: %s\n" % exc)
+
+
 def wait_for_hub(root, timeout=3.0):
     """The running hub's hub.json once it answers /health, or None after `timeout`."""
     from urllib.request import urlopen
@@ -3751,9 +3810,10 @@ HOOK_TIMEOUT_S = 0.5  # a hook gives up on a locked store fast: the agent or com
 # The hook commands load this very file from its cached bytecode: running a large script
 # compiles it on every call, which would cost every prompt and every commit ~80 ms. The
 # folder is appended to sys.path, so nothing beside pinbox.py can shadow the stdlib.
-_BOOT_IMPORT = "import sys;sys.path.append(%s);__import__(%s).main()"
+# A pinbox that was moved or deleted makes the hook a silent no-op, never a traceback.
+_BOOT_IMPORT = "import sys,os;os.path.exists(%s) or sys.exit(0);sys.path.append(%s);__import__(%s).main()"
 # A copy without the .py suffix (pinbox on PATH) is loaded by path.
-_BOOT_LOADER = ("import sys;from importlib.machinery import SourceFileLoader as L;"
+_BOOT_LOADER = ("import sys,os;os.path.exists(%s) or sys.exit(0);from importlib.machinery import SourceFileLoader as L;"
                 "from importlib.util import spec_from_loader as S,module_from_spec as M;"
                 'l=L("pinbox",%s);m=M(S("pinbox",l));sys.modules["pinbox"]=m;l.exec_module(m);m.main()')
 
@@ -3780,9 +3840,9 @@ def hook_command(args):
         command += ["-X", "pycache_prefix=" + cache]
     folder, name = os.path.split(path)
     if name.endswith(".py"):
-        boot = _BOOT_IMPORT % (json.dumps(folder), json.dumps(name[:-3]))
+        boot = _BOOT_IMPORT % (json.dumps(path), json.dumps(folder), json.dumps(name[:-3]))
     else:
-        boot = _BOOT_LOADER % json.dumps(path)
+        boot = _BOOT_LOADER % (json.dumps(path), json.dumps(path))
     return shlex.join(command + ["-c", boot] + list(args))
 
 
@@ -3997,14 +4057,23 @@ HERMES_HOOKS = (("on_session_start", "register"), ("pre_llm_call", "inject"),
                 ("on_session_finalize", "end"))  # on_session_end fires after every turn
 
 
+SHELL_TAIL = " || true"  # even a missing interpreter must not fail the agent's turn
+
+
 def agent_hook_command(agent, verb):
-    return hook_command(["session", verb, "--hook", "--agent", agent])
+    """Claude Code and Codex run hook commands through a shell; Hermes splits them into
+    argv itself, so its command gets no shell syntax."""
+    command = hook_command(["session", verb, "--hook", "--agent", agent])
+    return command if agent == "hermes" else command + SHELL_TAIL
 
 
 def is_pinbox_handler(handler, agent, verb):
     command = handler.get("command") if isinstance(handler, dict) else None
-    return isinstance(command, str) and command.endswith("session %s --hook --agent %s" % (verb, agent)) \
-        and "pinbox" in command
+    if not isinstance(command, str) or "pinbox" not in command:
+        return False
+    if command.endswith(SHELL_TAIL):
+        command = command[:-len(SHELL_TAIL)]
+    return command.endswith("session %s --hook --agent %s" % (verb, agent))
 
 
 def merge_json_hooks(config, agent, table, uninstall):
@@ -4768,13 +4837,13 @@ def cmd_agent_inbox(ctx):
         cancelled = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: cancelled.set())
-        outcome = wait_for_mail(store, session, (args.timeout if args.timeout is not None else 600000) / 1000.0,
-                                cancelled)
+        timeout_ms = args.timeout if args.timeout is not None else 600000
+        outcome = wait_for_mail(store, session, timeout_ms / 1000.0, cancelled)
         if outcome == "gone":
             raise PinboxError("E_NOT_FOUND", "session %s no longer exists" % session["id"],
                               "run `pinbox agent ls` to see sessions", exit_code=3)
         if outcome != "mail":
-            raise PinboxError("E_TIMEOUT", "no new message within %d ms" % args.timeout if outcome == "timeout"
+            raise PinboxError("E_TIMEOUT", "no new message within %d ms" % timeout_ms if outcome == "timeout"
                               else "the wait was cut short", "run `pinbox agent inbox --wait` again", exit_code=2)
     messages = read_inbox(store, session, me["id"] if me else None)
     with store.guard():
@@ -5244,7 +5313,7 @@ def run(argv=None, cwd=None):
         # Every command in a project starts its hub, but the hub itself and the commit hook.
         if (args.verb != "serve" and getattr(args, "session_verb", None) != "trailer"
                 and ctx._store is not None and ctx._store.exists):
-            ensure_hub(ctx.root)
+            start_hub_quietly(ctx.root)
         return code
     except Exception as exc:
         err = as_pinbox_error(exc, ctx)
@@ -5293,7 +5362,7 @@ def run_hook(argv, cwd=None):
         ctx = Context(HookArgs(argv), Output(False), cwd, timeout=HOOK_TIMEOUT_S)
         ctx.args.run(ctx)
         if ctx.args.run is not cmd_session_trailer and ctx._store is not None and ctx._store.exists:
-            ensure_hub(ctx.root)  # never waited for: the prompt goes on
+            start_hub_quietly(ctx.root)  # never waited for: the prompt goes on
     except BaseException as exc:  # noqa: B036 — even ^C must not fail a commit
         if not isinstance(exc, KeyboardInterrupt):
             write_err("pinbox: %s\n" % as_pinbox_error(exc, ctx).message)
@@ -5328,7 +5397,18 @@ def main():
             stream.reconfigure(errors="backslashreplace")
         except (AttributeError, ValueError):
             pass
-    sys.exit(run())
+    code = run()
+    if sys.argv[1:2] == ["session"] and "--hook" in sys.argv:
+        # A hook is done once its output is out: skip the interpreter's teardown (and
+        # the WAL checkpoint SQLite runs when the last connection closes; the next
+        # writer does that). Every prompt and every commit waits for this process.
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except OSError:
+            pass
+        os._exit(0)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
