@@ -459,7 +459,8 @@ def create_pin(store, fields):
     pin.setdefault("author", {"userId": "unknown"})
     pin.update(id=new_id("pin"), schemaVersion=1, status="open", createdAt=iso_time())
     with store.guard(), store.write() as conn:
-        pin["n"] = conn.execute("SELECT COALESCE(MAX(n), 0) + 1 FROM pins").fetchone()[0]
+        # (`n IS NOT NULL` lets SQLite read the maximum off the partial index, not scan.)
+        pin["n"] = conn.execute("SELECT COALESCE(MAX(n), 0) + 1 FROM pins WHERE n IS NOT NULL").fetchone()[0]
         pin = ordered(pin, PIN_KEYS)
         conn.execute("INSERT INTO pins(id, status, created_at, json, n) VALUES (?, ?, ?, ?, ?)",
                      (pin["id"], pin["status"], pin["createdAt"], dumps_compact(pin), pin["n"]))
@@ -1367,12 +1368,15 @@ def claim_due(store, owner, limit=32):
     [(row id, adapter, event, session, pin)] now leased to `owner`."""
     now = time.time()
     claimed = []
+    due = ("SELECT d.id, d.adapter, d.attempts, d.session_id, e.seq, e.type, e.at, e.payload FROM deliveries d "
+           "JOIN events e ON e.seq = d.event_seq WHERE d.status = 'pending' AND d.session_id IS NOT NULL "
+           "AND d.due_at IS NOT NULL AND d.due_at <= ? AND (d.lease_until IS NULL OR d.lease_until < ?) "
+           "ORDER BY d.due_at, d.id LIMIT ?")
+    with store.guard():
+        if not store.conn.execute(due, (iso_time(now), iso_time(now), 1)).fetchone():
+            return claimed  # nothing due: no write lock taken from the writers
     with store.guard(), store.write() as conn:
-        rows = conn.execute(
-            "SELECT d.id, d.adapter, d.attempts, d.session_id, e.seq, e.type, e.at, e.payload FROM deliveries d "
-            "JOIN events e ON e.seq = d.event_seq WHERE d.status = 'pending' AND d.session_id IS NOT NULL "
-            "AND d.due_at IS NOT NULL AND d.due_at <= ? AND (d.lease_until IS NULL OR d.lease_until < ?) "
-            "ORDER BY d.due_at, d.id LIMIT ?", (iso_time(now), iso_time(now), limit)).fetchall()
+        rows = conn.execute(due, (iso_time(now), iso_time(now), limit)).fetchall()
         for row_id, adapter, attempts, session_id, seq, kind, at, raw in rows:
             session = get_session(conn, session_id)
             payload = json.loads(raw)
@@ -3069,7 +3073,12 @@ class Hub:
             self._pool = []
 
     def git_stamp(self):
-        return git_stamp(self.root)
+        """The branch and commit for a new pin, looked up at most once a second: one git
+        process per pin would cap the hub at a few hundred pins a second."""
+        now = time.monotonic()
+        if self._stamp is None or now - self._stamp[0] > 1.0:
+            self._stamp = (now, git_stamp(self.root))
+        return dict(self._stamp[1])
 
     def connected(self):
         return self.toolbars
@@ -3152,6 +3161,9 @@ def make_handler(hub, activity):
         protocol_version = "HTTP/1.1"
         server_version = "pinbox/" + VERSION
         timeout = 30  # a client that stops sending mid-request is dropped
+        # Headers and body go out as two writes: with Nagle on, a kept-alive client
+        # waits out its delayed ACK (~40 ms) on every response.
+        disable_nagle_algorithm = True
 
         def log_message(self, *args):
             pass  # nothing is logged: request lines carry tokens in query strings
