@@ -437,7 +437,7 @@ def events_after(store, seq, limit=500):
 # Key order of a stored pin (the original's schema order, so JSON output matches it).
 PIN_KEYS = ("text", "kind", "target", "move", "env", "author", "agentSession", "attachments",
             "id", "n", "schemaVersion", "status", "createdAt", "resolution", "verification", "links")
-MESSAGE_KEYS = ("id", "pinId", "role", "origin", "session", "text", "edit", "attachments", "at")
+MESSAGE_KEYS = ("id", "pinId", "role", "origin", "session", "text", "attachments", "at")
 
 
 def ordered(record, keys):
@@ -474,6 +474,12 @@ def _read_pin(conn, pin_id):
     if row is None:
         raise PinboxError("E_NOT_FOUND", "no pin with id %s" % pin_id, NOT_FOUND_HINT)
     return json.loads(row[0])
+
+
+def find_pin(conn, pin_id):
+    """The pin, or None."""
+    row = conn.execute("SELECT json FROM pins WHERE id = ?", (pin_id,)).fetchone()
+    return json.loads(row[0]) if row else None
 
 
 def get_pin(store, pin_id):
@@ -804,18 +810,23 @@ def upsert_session(conn, agent, key, cwd=None):
                               "end sessions you no longer use (`pinbox session end <id>`), or raise "
                               "PINBOX_MAX_SESSIONS")
     if existing is None:
-        session = ordered({"id": new_id("ses"), "agent": agent, "key": key, "cwd": cwd,
-                           "registeredAt": now, "lastSeenAt": now}, SESSION_KEYS)
-        conn.execute("INSERT INTO sessions(id, agent, key, cwd, registered_at, last_seen_at, ended_at, json) "
-                     "VALUES (?, ?, ?, ?, ?, ?, NULL, ?)",
-                     (session["id"], agent, key, cwd, now, now, dumps_compact(session)))
-        return session, True
+        return insert_session(conn, agent, key, cwd), True
     session = dict(existing, lastSeenAt=now, cwd=cwd or existing.get("cwd"))
     session.pop("endedAt", None)
     session = ordered(session, SESSION_KEYS)
     conn.execute("UPDATE sessions SET cwd = ?, last_seen_at = ?, ended_at = NULL, json = ? WHERE id = ?",
                  (session.get("cwd"), now, dumps_compact(session), session["id"]))
     return session, False
+
+
+def insert_session(conn, agent, key, cwd=None, ended=False):
+    now = iso_time()
+    session = ordered({"id": new_id("ses"), "agent": agent, "key": key, "cwd": cwd, "registeredAt": now,
+                       "lastSeenAt": now, "endedAt": now if ended else None}, SESSION_KEYS)
+    conn.execute("INSERT INTO sessions(id, agent, key, cwd, registered_at, last_seen_at, ended_at, json) "
+                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (session["id"], agent, key, cwd, now, now, session.get("endedAt"),
+                                                    dumps_compact(session)))
+    return session
 
 
 def end_session(conn, session):
@@ -885,10 +896,7 @@ def deliverable_pin(kind, payload):
 
 def route_event(conn, seq, kind, payload):
     pin_id = deliverable_pin(kind, payload)
-    pin = None
-    if pin_id:
-        row = conn.execute("SELECT json FROM pins WHERE id = ?", (pin_id,)).fetchone()
-        pin = json.loads(row[0]) if row else None
+    pin = find_pin(conn, pin_id) if pin_id else None
     if pin is None:
         insert_delivery(conn, seq, None, "none", "skipped")
         return
@@ -906,13 +914,7 @@ def target_session(conn, pin):
     if ref and ref.get("agent") in AGENTS and ref.get("key"):
         session = find_session(conn, ref["agent"], ref["key"])
         if session is None:
-            now = iso_time()
-            session = ordered({"id": new_id("ses"), "agent": ref["agent"], "key": ref["key"], "cwd": ref.get("cwd"),
-                               "registeredAt": now, "lastSeenAt": now, "endedAt": now}, SESSION_KEYS)
-            conn.execute("INSERT INTO sessions(id, agent, key, cwd, registered_at, last_seen_at, ended_at, json) "
-                         "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                         (session["id"], session["agent"], session["key"], session.get("cwd"), now, now, now,
-                          dumps_compact(session)))
+            session = insert_session(conn, ref["agent"], ref["key"], ref.get("cwd"), ended=True)
         return session
     session = active_session(conn)
     if session is not None:
@@ -979,12 +981,10 @@ def claim_unassigned(conn, session):
     rows = conn.execute("SELECT d.id, e.type, e.payload FROM deliveries d JOIN events e ON e.seq = d.event_seq "
                         "WHERE d.session_id IS NULL AND d.status = 'pending' ORDER BY d.id").fetchall()
     for row_id, kind, raw in rows:
-        pin_id = deliverable_pin(kind, json.loads(raw))
-        pin_row = conn.execute("SELECT json FROM pins WHERE id = ?", (pin_id,)).fetchone()
-        if pin_row is None:
+        pin = find_pin(conn, deliverable_pin(kind, json.loads(raw)))
+        if pin is None:
             conn.execute("UPDATE deliveries SET status = 'skipped', updated_at = ? WHERE id = ?", (iso_time(), row_id))
             continue
-        pin = json.loads(pin_row[0])
         target = session
         if pin.get("agentSession"):
             target = target_session(conn, pin)
@@ -1025,11 +1025,9 @@ class Arrivals:
         self.messages = []
         for _row_id, _seq, kind, raw in rows:
             payload = json.loads(raw)
-            pin_id = deliverable_pin(kind, payload)
-            row = conn.execute("SELECT json FROM pins WHERE id = ?", (pin_id,)).fetchone()
-            if row is None:
+            pin = find_pin(conn, deliverable_pin(kind, payload))
+            if pin is None:
                 continue
-            pin = json.loads(row[0])
             if kind == "pin.created":
                 if pin["id"] not in [p["id"] for p in self.pins]:
                     self.pins.append(pin)
@@ -1086,24 +1084,24 @@ def peek_pending(store, agent, key):
     return list(pins.values())
 
 
+DELIVERY_KEYS = ("id", "eventSeq", "event", "session", "adapter", "status", "attempts", "dueAt", "lastError",
+                 "updatedAt")
+_DELIVERY_SELECT = ("SELECT d.id, e.seq, e.type, d.session_id, d.adapter, d.status, d.attempts, d.due_at, "
+                    "d.last_error, d.updated_at, e.payload FROM deliveries d JOIN events e ON e.seq = d.event_seq ")
+
+
+def delivery_rows(conn, where, args=()):
+    """Ledger rows as records, each with the payload of its event (for filtering)."""
+    return [(ordered(dict(zip(DELIVERY_KEYS, row[:10])), DELIVERY_KEYS), json.loads(row[10]))
+            for row in conn.execute(_DELIVERY_SELECT + where, args)]
+
+
 def deliveries_for_pin(store, pin_id):
     """A pin's delivery history: every ledger row of every event about it."""
     with store.guard():
-        rows = store.conn.execute(
-            "SELECT d.id, e.seq, e.type, d.session_id, d.adapter, d.status, d.attempts, d.due_at, d.last_error, "
-            "d.updated_at, e.payload FROM deliveries d JOIN events e ON e.seq = d.event_seq "
-            "WHERE instr(e.payload, ?) > 0 ORDER BY d.id", ('"%s"' % pin_id,)).fetchall()
-    history = []
-    for row_id, seq, kind, session_id, adapter, status, attempts, due, error, updated, raw in rows:
-        payload = json.loads(raw)
-        if (payload.get("pinId") if kind == "thread.message" else payload.get("id")) != pin_id:
-            continue
-        history.append(ordered({"id": row_id, "eventSeq": seq, "event": kind, "session": session_id,
-                                "adapter": adapter, "status": status, "attempts": attempts, "dueAt": due,
-                                "lastError": error, "updatedAt": updated},
-                               ("id", "eventSeq", "event", "session", "adapter", "status", "attempts",
-                                "dueAt", "lastError", "updatedAt")))
-    return history
+        rows = delivery_rows(store.conn, "WHERE instr(e.payload, ?) > 0 ORDER BY d.id", ('"%s"' % pin_id,))
+    return [row for row, payload in rows
+            if (payload.get("pinId") if row["event"] == "thread.message" else payload.get("id")) == pin_id]
 
 
 # --- What an agent is shown -----------------------------------------------------
@@ -1380,8 +1378,8 @@ def claim_due(store, owner, limit=32):
         for row_id, adapter, attempts, session_id, seq, kind, at, raw in rows:
             session = get_session(conn, session_id)
             payload = json.loads(raw)
-            pin_row = conn.execute("SELECT json FROM pins WHERE id = ?", (deliverable_pin(kind, payload),)).fetchone()
-            if session is None or pin_row is None:
+            pin = find_pin(conn, deliverable_pin(kind, payload))
+            if session is None or pin is None:
                 conn.execute("UPDATE deliveries SET status = 'failed', last_error = ?, due_at = NULL, updated_at = ? "
                              "WHERE id = ?", ("E_SESSION_GONE: session %s unknown" % session_id if session is None
                                               else "E_DELIVERY: the pin is gone", iso_time(), row_id))
@@ -1399,7 +1397,7 @@ def claim_due(store, owner, limit=32):
             conn.execute("UPDATE deliveries SET adapter = ?, lease_owner = ?, lease_until = ?, updated_at = ? "
                          "WHERE id = ?", (chosen, claim, iso_time(now + lease), iso_time(), row_id))
             event = {"seq": seq, "type": kind, "at": at, "payload": payload}
-            claimed.append((row_id, chosen, event, session, json.loads(pin_row[0]), claim))
+            claimed.append((row_id, chosen, event, session, pin, claim))
     return claimed
 
 
@@ -1552,15 +1550,19 @@ INBOX_TTL_S = 12 * 3600
 MESSAGE_FIELDS = ("id", "session", "from", "text", "postedAt", "seen")
 
 
+def inbox_cutoff():
+    """Messages posted before this have expired."""
+    return iso_time(time.time() - INBOX_TTL_S)
+
+
 def _expire(conn):
-    conn.execute("DELETE FROM inbox WHERE posted_at < ?", (iso_time(time.time() - INBOX_TTL_S),))
+    conn.execute("DELETE FROM inbox WHERE posted_at < ?", (inbox_cutoff(),))
 
 
 def inbox_counts(conn, session_id):
     """(pending, unseen) of an inbox: unexpired messages, and those not yet seen."""
     row = conn.execute("SELECT COUNT(*), COALESCE(SUM(seen = 0), 0), COALESCE(SUM(size), 0) FROM inbox "
-                       "WHERE session_id = ? AND posted_at >= ?",
-                       (session_id, iso_time(time.time() - INBOX_TTL_S))).fetchone()
+                       "WHERE session_id = ? AND posted_at >= ?", (session_id, inbox_cutoff())).fetchone()
     return row[0], row[1], row[2]
 
 
@@ -1602,7 +1604,7 @@ def read_inbox(store, session, reader_id):
     with store.guard(), (store.write() if own else _NoTransaction(store)) as conn:
         rows = conn.execute("SELECT id, session_id, sender, text, posted_at, seen FROM inbox "
                             "WHERE session_id = ? AND posted_at >= ? ORDER BY posted_at, rowid",
-                            (session["id"], iso_time(time.time() - INBOX_TTL_S))).fetchall()
+                            (session["id"], inbox_cutoff())).fetchall()
         if own:
             conn.execute("UPDATE inbox SET seen = 1 WHERE session_id = ? AND seen = 0", (session["id"],))
     return [dict(zip(MESSAGE_FIELDS, row[:5] + (bool(row[5]),))) for row in rows]
@@ -1617,11 +1619,6 @@ class _NoTransaction:
 
     def __exit__(self, *exc):
         return False
-
-
-def has_unseen(store, session_id):
-    with store.guard():
-        return inbox_counts(store.conn, session_id)[1] > 0
 
 
 def ack_messages(store, ids, acker_id):
@@ -1896,11 +1893,6 @@ def query_int(request, name, default, low=0, high=None):
     return value
 
 
-def pin_in_path(segment):
-    pin_id = normalize_id(segment)
-    return pin_id
-
-
 def route(hub, request):
     """Answers one HTTP request (auth already checked by the shell)."""
     try:
@@ -1945,7 +1937,7 @@ def r_health(hub, request):
 def r_summary(hub, request):
     with hub.store() as store:
         data = summary(store)
-    data["connectedToolbars"] = hub.connected()
+    data["connectedToolbars"] = hub.toolbars
     return Response(200, data)
 
 
@@ -2024,9 +2016,6 @@ def r_attachment(hub, request):
     content_type = (request.headers.get("content-type") or "").strip()
     if not content_type:
         raise invalid("content-type header is required", "send the attachment's MIME type, e.g. content-type: image/webp")
-    if len(request.body) > ATTACHMENT_LIMIT:
-        raise PinboxError("E_ATTACHMENT", "attachment exceeds %d bytes" % ATTACHMENT_LIMIT,
-                          "attachments are capped at 5 MB; downscale or compress before uploading")
     essence = content_type.split(";")[0].strip().lower()
     attachment_id = new_id("att")
     # The name is the server's own: nothing the page sends reaches the file system.
@@ -2149,12 +2138,8 @@ def r_inbox_summary(hub, request):
 def r_deliveries(hub, request):
     limit = query_int(request, "limit", 200, 1, PAGE_LIMIT)
     with hub.store() as store, store.guard():
-        rows = store.conn.execute(
-            "SELECT d.id, d.event_seq, e.type, d.session_id, d.adapter, d.status, d.attempts, d.due_at, "
-            "d.last_error, d.updated_at FROM deliveries d JOIN events e ON e.seq = d.event_seq "
-            "WHERE d.status != 'skipped' ORDER BY d.id DESC LIMIT ?", (limit,)).fetchall()
-    keys = ("id", "eventSeq", "event", "session", "adapter", "status", "attempts", "dueAt", "lastError", "updatedAt")
-    return Response(200, [dict(zip(keys, row)) for row in rows])
+        rows = delivery_rows(store.conn, "WHERE d.status != 'skipped' ORDER BY d.id DESC LIMIT ?", (limit,))
+    return Response(200, [row for row, _ in rows])
 
 
 def r_toolbar(hub, request):
@@ -3080,9 +3065,6 @@ class Hub:
             self._stamp = (now, git_stamp(self.root))
         return dict(self._stamp[1])
 
-    def connected(self):
-        return self.toolbars
-
     def count(self, name, delta):
         with self._lock:
             setattr(self, name, getattr(self, name) + delta)
@@ -3191,8 +3173,7 @@ def make_handler(hub, activity):
             for name, value in list(extra) + self.cors:
                 self.send_header(name, value)
             self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(response.body)
+            self.wfile.write(response.body)
 
         def refuse(self, status, err=None):
             self.send(Response(status, error=err) if err else Response(status, raw=b""))
@@ -3312,16 +3293,12 @@ def serve_stream(handler, hub, query):
 def peer_closed(sock):
     """Whether the client hung up (a stream's client never sends after its request)."""
     import select
+    import socket
     try:
         readable, _, _ = select.select([sock], [], [], 0)
-        return bool(readable) and sock.recv(1, socket_peek()) == b""
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
     except (OSError, ValueError):
         return True
-
-
-def socket_peek():
-    import socket
-    return socket.MSG_PEEK
 
 
 class WebSocket:
@@ -3794,23 +3771,6 @@ def start_hub_quietly(root):
         ensure_hub(root)
     except Exception as exc:
         write_err("pinbox: could not start the hub: %s\n" % exc)
-
-
-def wait_for_hub(root, timeout=3.0):
-    """The running hub's hub.json once it answers /health, or None after `timeout`."""
-    from urllib.request import urlopen
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        data = running_hub(root)
-        if data:
-            try:
-                with urlopen("http://127.0.0.1:%d/health" % data["port"], timeout=0.5) as answer:
-                    if answer.status == 200:
-                        return data
-            except OSError:
-                pass
-        time.sleep(0.05)
-    return None
 
 
 # ============================================================================
@@ -5111,13 +5071,8 @@ Run `pinbox <command> --help` for a command's options.
 """
 
 
-def _argparse():
-    import argparse
-    return argparse
-
-
 def build_parser():
-    argparse = _argparse()
+    import argparse
 
     class Parser(argparse.ArgumentParser):
         def error(self, message):

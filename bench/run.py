@@ -359,7 +359,8 @@ def bench_delivery(runs, workdir):
 def bench_inbox(runs, workdir):
     """How fast a parked `agent inbox --wait` wakes when another process posts, with 1
     and with 200 readers parked."""
-    env = bench_env(workdir)
+    env = dict(bench_env(workdir), PINBOX_MAX_SESSIONS="1000")
+    os.environ["PINBOX_MAX_SESSIONS"] = "1000"
     repo = project(workdir, "inbox", env)
     store = pinbox.Store(os.path.join(repo, ".pinbox"))
     with store.write() as conn:
@@ -437,16 +438,15 @@ def main():
     args = parser.parse_args()
     names = args.only.split(",") if args.only else list(BENCHMARKS)
     rows = []
+    print("%-58s %10s %10s %9s  %s" % ("measurement", "median ms", "p90 ms", "peak RSS", "target"), flush=True)
     for name in names:
         workdir = tempfile.mkdtemp(prefix="pinbox-bench-")
         try:
             for row in BENCHMARKS[name](args.runs, workdir):
                 rows.append(dict(row, group=name))
+                print(format_row(row), flush=True)
         finally:
             shutil.rmtree(workdir, True)
-    print("%-58s %10s %10s %9s  %s" % ("measurement", "median ms", "p90 ms", "peak RSS", "target"))
-    for row in rows:
-        print(format_row(row))
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as handle:
         json.dump({"python": sys.version.split()[0], "pinbox": pinbox.VERSION, "cores": os.cpu_count(),
