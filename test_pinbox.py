@@ -1279,19 +1279,26 @@ class TestResumeAndOpenClaw(DeliveryCase):
         self.assertEqual(rows[-1][1:4], ("resume", "failed", 1))
         self.assertTrue(rows[-1][4].startswith("E_SESSION_GONE: codex exited 2 resuming session key thread-1"))
 
-    def test_a_hanging_resume_is_killed_with_its_children_and_delays_nothing_else(self):
+    def start_hanging_resume(self, key):
+        """A claude that hangs (with a child of its own) is resumed for `key`; returns
+        the child's pid once it runs."""
         marker = os.path.join(self.tmp, "grandchild.pid")
         self.fake_binary("claude", "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
                                    "open(%r, 'w').write(str(child.pid))\ntime.sleep(60)" % marker)
-        self.receiver("ok")
-        self.env["PINBOX_RESUME_TIMEOUT_MS"] = "3000"
         self.start_hub()
-        stuck = self.register_and_bind("claude", "stuck")
-        self.ok("session", "end", stuck)
-        self.ok("reply", self.bound["id"], "this one hangs")
+        sid = self.register_and_bind("claude", key)
+        self.ok("session", "end", sid)
+        self.ok("reply", self.bound["id"], "resume me")
         deadline = time.monotonic() + 10
         while not os.path.exists(marker) and time.monotonic() < deadline:
             time.sleep(0.05)
+        with open(marker) as handle:
+            return int(handle.read())
+
+    def test_a_hanging_resume_is_killed_with_its_children_and_delays_nothing_else(self):
+        self.receiver("ok")
+        self.env["PINBOX_RESUME_TIMEOUT_MS"] = "3000"
+        grandchild = self.start_hanging_resume("stuck")
         # Meanwhile a webhook for another session and an HTTP request go straight through.
         self.ended_session("codex", "other")
         started = time.monotonic()
@@ -1306,26 +1313,13 @@ class TestResumeAndOpenClaw(DeliveryCase):
         resumed = [r for r in rows if r[1] == "resume"][0]
         self.assertEqual(resumed[2], "pending")  # a timeout is retried
         self.assertIn("timed out after 3000 ms", resumed[4])
-        with open(marker) as handle:
-            grandchild = int(handle.read())
         deadline = time.monotonic() + 5
         while pid_running(grandchild) and time.monotonic() < deadline:
             time.sleep(0.05)
         self.assertFalse(pid_running(grandchild))
 
     def test_a_stopping_hub_ends_the_agent_it_resumed_and_releases_the_row(self):
-        marker = os.path.join(self.tmp, "grandchild.pid")
-        self.fake_binary("claude", "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-                                   "open(%r, 'w').write(str(child.pid))\ntime.sleep(60)" % marker)
-        self.start_hub()
-        sid = self.register_and_bind("claude", "slow")
-        self.ok("session", "end", sid)
-        self.ok("reply", self.bound["id"], "resume me")
-        deadline = time.monotonic() + 10
-        while not os.path.exists(marker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        with open(marker) as handle:
-            grandchild = int(handle.read())
+        grandchild = self.start_hanging_resume("slow")
         self.proc.send_signal(signal.SIGTERM)
         self.assertEqual(self.proc.wait(timeout=20), 0)
         self.assertFalse(pid_running(grandchild))  # no second agent writing the transcript later
@@ -2562,10 +2556,7 @@ class TestHubLive(HubCase):
         for sock, reader in ((sock_a, reader_a), (sock_b, reader_b), (sock_c, reader_c)):
             reader.close()
             sock.close()
-        deadline = time.monotonic() + 5
-        while self.api("GET", "/summary")["connectedToolbars"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.assertEqual(self.api("GET", "/summary")["connectedToolbars"], 0)
+        self.assert_no_toolbars_left()
 
     def test_a_truncated_frame_closes_only_that_socket(self):
         sock, reader = self.hello(0)
@@ -2574,11 +2565,14 @@ class TestHubLive(HubCase):
         sock.sendall(b"\x81\xfe")  # a frame header cut short
         reader.close()
         sock.close()
+        self.assert_no_toolbars_left()
+        self.assertNotIn(b"Traceback", self.proc_stderr_so_far())
+
+    def assert_no_toolbars_left(self):
         deadline = time.monotonic() + 5
         while self.api("GET", "/summary")["connectedToolbars"] and time.monotonic() < deadline:
             time.sleep(0.05)
         self.assertEqual(self.api("GET", "/summary")["connectedToolbars"], 0)
-        self.assertNotIn(b"Traceback", self.proc_stderr_so_far())
 
     def proc_stderr_so_far(self):
         import select
