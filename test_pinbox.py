@@ -2296,7 +2296,7 @@ class TestHubApi(HubCase):
         self.assertEqual([e["type"] for e in events], ["pin.created", "pin.resolved"])
         self.assertEqual([e["seq"] for e in self.api("GET", "/events?after=%d" % events[0]["seq"])], [events[1]["seq"]])
         self.assertEqual(self.api("GET", "/events?after=%d" % events[1]["seq"]), [])
-        for bad in ("abc", "-1", "1.5", "%C2%B2"):  # the last is "²", a digit to str.isdigit
+        for bad in ("abc", "-1", "1.5", "%C2%B2", "99999999999999999999"):  # "²" is a digit to str.isdigit
             self.api_error("GET", "/events?after=" + bad)
         self.post_pin()
         self.api("POST", "/sessions", {"agent": "claude", "key": "s1"}, 201)
