@@ -1264,6 +1264,7 @@ def run_agent_command(argv, cwd, timeout):
 
 
 RUNNING_PUSHES = set()  # agent processes a push is waiting on, ended with the hub
+HUB_STOPPING = []  # non-empty once the hub ends its pushes: their outcome is not a verdict
 
 
 def end_process_group(proc):
@@ -1451,6 +1452,8 @@ def push(store, claim):
         error = exc
     except Exception as exc:  # a bug in one push must not stop the others
         error = PushFailed("%s: %s" % (type(exc).__name__, exc))
+    if error is not None and HUB_STOPPING:
+        return  # killed by our own shutdown: the row is released and the next hub retries it
     finish_push(store, row_id, owner, error)
 
 
@@ -3245,7 +3248,7 @@ def make_handler(hub, activity):
                                    "attachments are capped at 5 MB; downscale or compress before uploading")
                        if path == "/attachments" else
                        invalid("request body exceeds %d bytes" % JSON_BODY_LIMIT, "JSON bodies are capped at 1 MiB"))
-                if length <= 2 * limit:  # a modest overshoot is read and dropped, so the client sees the 413
+                if length <= 16 * 1024 * 1024:  # read and dropped, so the client gets to see the 413
                     self.discard(length)
                 self.refuse(413, err)
                 return None
@@ -3517,9 +3520,26 @@ def next_due_in(hub):
     return 0.5 if when is None else max(0.005, min(0.5, when - time.time()))
 
 
+def stop_pushes():
+    """Ends the agents pushes are waiting on (a resumed agent never outlives the hub that
+    started it). Only signals: the push threads themselves reap their processes."""
+    import signal
+    HUB_STOPPING.append(True)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for proc in list(RUNNING_PUSHES):
+            try:
+                os.killpg(proc.pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 2
+        while RUNNING_PUSHES and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not RUNNING_PUSHES:
+            return
+
+
 def release_leases(hub, owner):
-    for proc in list(RUNNING_PUSHES):
-        end_process_group(proc)  # a resumed agent never outlives the hub that started it
+    stop_pushes()
     with hub.store() as store, store.guard(), store.write() as conn:
         conn.execute("UPDATE deliveries SET lease_owner = NULL, lease_until = NULL WHERE lease_owner LIKE ?",
                      (owner + ":%",))
@@ -3721,8 +3741,8 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
         server.server_close()
         try:
             release_leases(hub, owner)  # pushes still running are retried by the next hub
-        except (PinboxError, sqlite3.Error):
-            pass
+        except Exception as exc:  # shutting down goes on; the next hub releases them anyway
+            write_err("pinbox: could not release deliveries in flight: %s\n" % exc)
         current = read_hub_json(hub_json)
         if current and current["pid"] == os.getpid():
             for path in (hub_json, server_json):
