@@ -313,6 +313,7 @@ class Store:
             self.conn.execute("PRAGMA synchronous=NORMAL")
             if self.conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
                 self._migrate()
+        self.identity = file_identity(self.path)  # the hub notices a file deleted or replaced under it
 
     def close(self):
         conn = getattr(self, "conn", None)
@@ -367,6 +368,15 @@ class Store:
             if "no such module" not in str(exc):
                 raise
             self._fts = False
+
+
+def file_identity(path):
+    """Which file a path names now: (device, inode), or None when there is none."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
 
 
 class _Transaction:
@@ -3121,6 +3131,11 @@ class _Borrowed:
     def __enter__(self):
         with self.hub._lock:
             self.store = self.hub._pool.pop() if self.hub._pool else None
+        if self.store is not None and self.store.identity != file_identity(self.store.path):
+            # The database was deleted or replaced under the hub: a connection to the old
+            # file would write where nobody reads.
+            self.store.close()
+            self.store = None
         if self.store is None:
             self.store = Store(self.hub.directory)
         return self.store

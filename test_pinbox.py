@@ -2708,6 +2708,25 @@ class TestHubLifecycle(HubCase):
         self.start_hub()
         self.assertEqual((self.hub["token"], self.hub["port"]), (self.token, self.port))
 
+    def test_a_store_deleted_or_replaced_under_the_hub_is_followed(self):
+        self.post_pin("before")
+        for name in os.listdir(os.path.join(self.repo, ".pinbox")):
+            if name.startswith("pinbox.db"):
+                os.unlink(os.path.join(self.repo, ".pinbox", name))
+        self.post_pin("after the delete")
+        self.assertEqual([p["text"] for p in self.ok("list")], ["after the delete"])  # not lost in an unlinked file
+        other = os.path.join(self.tmp, "other")
+        store = pinbox.Store(other)
+        pinbox.create_pin(store, {"text": "from a backup"})
+        store.close()
+        os.replace(os.path.join(other, "pinbox.db"), self.db_path)
+        for suffix in ("-wal", "-shm"):
+            if os.path.exists(self.db_path + suffix):
+                os.unlink(self.db_path + suffix)
+        self.assertEqual([p["text"] for p in self.api("GET", "/pins")], ["from a backup"])
+        self.post_pin("after the restore")
+        self.assertEqual([p["text"] for p in self.ok("list")], ["after the restore", "from a backup"])
+
     def test_idle_exit_waits_for_open_streams(self):
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
         conn.request("GET", "/stream?token=" + self.token)
