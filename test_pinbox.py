@@ -694,6 +694,85 @@ class HookCase(PinboxCase):
         return self.sql("SELECT event_seq, session_id, adapter, status FROM deliveries WHERE %s ORDER BY id" % where)
 
 
+LOAD_WORKER = r"""
+import contextlib, io, json, random, sys, time
+sys.path.insert(0, sys.argv[1])
+import pinbox
+me, seconds, seed = int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+rnd = random.Random(seed * 100 + me)
+key = "load-%d" % me
+ops, failures = {}, []
+
+def run(*args, stdin=None):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = pinbox.run(list(args) + ["--json"])
+    text = out.getvalue()
+    if code != 0 or "locked" in text:
+        failures.append((args[:2], code, text[:300]))
+    return json.loads(text)["data"] if code == 0 else None
+
+run("session", "register", "--agent", "claude", "--key", key, "--cwd", ".")
+deadline = time.monotonic() + seconds
+mine = []
+while time.monotonic() < deadline:
+    op = rnd.choice(["pin", "pin", "reply", "resolve", "register", "inject", "post", "read"])
+    ops[op] = ops.get(op, 0) + 1
+    if op == "pin":
+        made = run("pin", "load %d-%d" % (me, ops[op]))
+        if made:
+            mine.append(made["id"])
+    elif op == "reply" and mine:
+        run("reply", rnd.choice(mine), "more on this %d" % me)
+    elif op == "resolve" and mine:
+        run("resolve", mine.pop(rnd.randrange(len(mine))))
+    elif op == "register":
+        run("session", "register", "--agent", "claude", "--key", key, "--cwd", ".")
+    elif op == "inject":
+        run("session", "inject", "--agent", "claude", "--key", key)
+    elif op == "post":
+        run("agent", "post", "claude:load-%d" % rnd.randrange(16), "hello from %d" % me)
+    else:
+        got = run("agent", "inbox", "--session", "claude:" + key)
+        if got and got["messages"]:
+            run("agent", "ack", "--session", "claude:" + key, *[m["id"] for m in got["messages"][:5]])
+print(json.dumps({"ops": ops, "failures": failures}))
+"""
+
+
+class TestLoad(HookCase):
+    """16 processes mixing every kind of write for PINBOX_LOAD_SECONDS (10 by default;
+    .ci/run sets 30). After it: no "database is locked" anywhere, every event has exactly
+    one ledger row, pin numbers are unique, the store passes integrity_check."""
+
+    def test_sixteen_processes_mixing_writes(self):
+        import random
+        seconds = float(os.environ.get("PINBOX_LOAD_SECONDS") or 10)
+        seed = int(os.environ.get("PINBOX_FUZZ_SEED") or random.randrange(1 << 30))
+        env = dict(self.env, PINBOX_MAX_SESSIONS="100")
+        procs = [subprocess.Popen([sys.executable, "-c", LOAD_WORKER, HERE, str(i), str(seconds), str(seed)],
+                                  cwd=self.repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for i in range(16)]
+        results = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=seconds + 120)
+            self.assertEqual(proc.returncode, 0, err.decode()[-2000:])
+            self.assertNotIn(b"locked", err)
+            results.append(json.loads(out.decode().strip().splitlines()[-1]))
+        failures = [f for r in results for f in r["failures"]]
+        self.assertEqual(failures, [])
+        total = sum(sum(r["ops"].values()) for r in results)
+        print("\n  load: 16 processes, %.0f s, seed %d: %d commands, 0 failed" % (seconds, seed, total))
+        self.assertEqual(self.sql("SELECT COUNT(*) FROM events")[0][0],
+                         self.sql("SELECT COUNT(DISTINCT event_seq) FROM deliveries")[0][0])
+        self.assertEqual(self.sql("SELECT COUNT(*) FROM deliveries")[0][0],
+                         self.sql("SELECT COUNT(*) FROM events")[0][0])
+        numbers = [r[0] for r in self.sql("SELECT n FROM pins")]
+        self.assertEqual(len(numbers), len(set(numbers)))
+        self.assertEqual(sorted(numbers), list(range(1, len(numbers) + 1)))
+        self.assertEqual(self.sql("PRAGMA integrity_check"), [("ok",)])
+
+
 class TestSessions(HookCase):
     def test_register_by_flags_refreshes_and_revives(self):
         first = self.ok("session", "register", "--agent", "claude", "--key", "k1", "--cwd", "/tmp/proj")
