@@ -713,6 +713,9 @@ def run(*args, stdin=None):
     return json.loads(text)["data"] if code == 0 else None
 
 run("session", "register", "--agent", "claude", "--key", key, "--cwd", ".")
+start = time.monotonic()  # every worker registered before anyone posts to it
+while len(run("session", "list") or []) < 16 and time.monotonic() - start < 60:
+    time.sleep(0.05)
 deadline = time.monotonic() + seconds
 mine = []
 while time.monotonic() < deadline:
