@@ -2481,6 +2481,54 @@ class TestHubApi(HubCase):
         self.assertIn("1048576", error["message"])
         self.assertEqual(self.request("GET", "/health", token=False)[0], 200)  # still serving
 
+    def test_five_hundred_open_streams_and_a_503_past_the_cap(self):
+        import statistics
+        streams = []
+        self.addCleanup(lambda: [s.close() for s in streams])
+        for _ in range(500):
+            sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+            sock.sendall(b"GET /stream?token=%s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" % self.token.encode())
+            streams.append(sock)
+        deadline = time.monotonic() + 20
+        while self.open_fds() < 500 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.pin("written while 500 pages listen")
+        latencies = []
+        for _ in range(20):
+            started = time.monotonic()
+            self.assertEqual(self.request("GET", "/health", token=False)[0], 200)
+            latencies.append(time.monotonic() - started)
+        print("\n  /health with 500 open streams: median %.1f ms, max %.1f ms"
+              % (statistics.median(latencies) * 1000, max(latencies) * 1000))
+        self.assertLess(statistics.median(latencies), 0.1)
+        for _ in range(pinbox.MAX_CONNECTIONS - 500 + 5):
+            sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+            sock.sendall(b"GET /stream?token=%s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" % self.token.encode())
+            streams.append(sock)
+        time.sleep(0.5)
+        code, _, headers = self.request("GET", "/health", token=False)
+        self.assertEqual((code, headers.get("retry-after")), (503, "1"))  # refused at once, not hung
+        for sock in streams:
+            sock.close()
+        streams.clear()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                if self.request("GET", "/health", token=False)[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        self.assertEqual(self.request("GET", "/health", token=False)[0], 200)  # and back once they close
+        self.assertNotIn(b"Traceback", self.proc_stderr_so_far())
+
+    def open_fds(self):
+        """How many files the hub has open (its streams' sockets among them)."""
+        try:
+            return len(os.listdir("/proc/%d/fd" % self.proc.pid))
+        except OSError:
+            return 0
+
     def test_two_hundred_clients_posting_at_once(self):
         errors, made = [], []
 
