@@ -3627,7 +3627,11 @@ def pid_alive(pid):
         return False
     except PermissionError:
         return True
-    return True
+    try:  # a killed hub nobody reaped yet is a zombie: gone, though kill() still finds it
+        with open("/proc/%d/stat" % pid) as handle:
+            return handle.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def running_hub(root):
@@ -3770,14 +3774,20 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
     return "stopped", None
 
 
-def ensure_hub(root):
+def ensure_hub(root, quick=False):
     """Starts the project's hub in the background when none runs (so the page toolbar
     and push delivery work whenever someone works here), without waiting for it. Its
     own session, stdin from /dev/null, output to .pinbox/hub.log: never the caller's
-    pipes, which an agent waits on."""
-    if os.environ.get("PINBOX_NO_SPAWN") or running_hub(root):
+    pipes, which an agent waits on. `quick` (the agent hooks, on every prompt) trusts
+    .pinbox/server.json, which exists while a hub runs, and skips the full check (6 ms:
+    hashing the project path and reading the state file)."""
+    if os.environ.get("PINBOX_NO_SPAWN"):
         return None
     directory = store_dir(root)
+    if quick and os.path.exists(os.path.join(directory, "server.json")):
+        return None
+    if running_hub(root):
+        return None
     if not os.path.exists(os.path.join(directory, "pinbox.db")):
         return None
     command = [sys.executable or "python3", "-I", "-S", self_path(), "serve", "--project", root]
@@ -3800,11 +3810,11 @@ def ensure_hub(root):
     return pid
 
 
-def start_hub_quietly(root):
+def start_hub_quietly(root, quick=False):
     """ensure_hub for a command that already did its job: a hub that cannot start is
     one line on stderr, never a failed command."""
     try:
-        ensure_hub(root)
+        ensure_hub(root, quick)
     except Exception as exc:
         write_err("pinbox: could not start the hub: %s\n" % exc)
 
@@ -5365,7 +5375,7 @@ def run_hook(argv, cwd=None):
         ctx = Context(HookArgs(argv), Output(False), cwd, timeout=HOOK_TIMEOUT_S)
         ctx.args.run(ctx)
         if ctx.args.run is not cmd_session_trailer and ctx._store is not None and ctx._store.exists:
-            start_hub_quietly(ctx.root)  # never waited for: the prompt goes on
+            start_hub_quietly(ctx.root, quick=True)  # never waited for: the prompt goes on
     except BaseException as exc:  # noqa: B036 — even ^C must not fail a commit
         if not isinstance(exc, KeyboardInterrupt):
             write_err("pinbox: %s\n" % as_pinbox_error(exc, ctx).message)

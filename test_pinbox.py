@@ -2895,7 +2895,7 @@ class TestHubLifecycle(HubCase):
         env["PINBOX_IDLE_MS"] = "3000"
         self.ok("summary", env=env)
         hub = self.wait_hub_json(lambda data: pid_running(data["pid"]))
-        self.addCleanup(os.kill, hub["pid"], signal.SIGTERM)
+        self.addCleanup(lambda: pid_running(hub["pid"]) and os.kill(hub["pid"], signal.SIGTERM))
         with open(os.path.join(self.repo, ".pinbox", "server.json")) as handle:
             self.assertEqual(json.load(handle), {"port": hub["port"]})
         self.assertEqual(os.getpgid(hub["pid"]), hub["pid"])  # its own session and process group
@@ -2910,6 +2910,15 @@ class TestHubLifecycle(HubCase):
         again = self.wait_hub_json(lambda data: pid_running(data["pid"]) and data["pid"] != hub["pid"])
         self.addCleanup(lambda: pid_running(again["pid"]) and os.kill(again["pid"], signal.SIGTERM))
         self.assertEqual((again["token"], again["port"]), (hub["token"], hub["port"]))
+        # A hub killed outright leaves server.json behind: the prompt hook trusts it (it
+        # runs on every prompt), the next ordinary command looks properly and starts one.
+        os.kill(again["pid"], signal.SIGKILL)
+        self.wait_gone(again["pid"])
+        self.run_pinbox("session", "inject", "--hook", "--agent", "claude", env=env,
+                        stdin=payload("k1", "UserPromptSubmit", self.repo))
+        self.ok("list", env=env)
+        third = self.wait_hub_json(lambda data: pid_running(data["pid"]) and data["pid"] != again["pid"])
+        self.addCleanup(lambda: pid_running(third["pid"]) and os.kill(third["pid"], signal.SIGTERM))
 
     def wait_gone(self, pid):
         deadline = time.monotonic() + 10
