@@ -4634,13 +4634,18 @@ def check_role(value, verb):
     return check_choice(value, "--as", ("human", "agent"), verb)
 
 
+def me_or_none(ctx, store):
+    """The calling agent session (--session, else PINBOX_SESSION, else the agent's own
+    variables), or None."""
+    with store.guard():
+        return calling_session(store.conn, ctx.args.session)
+
+
 def speaking_session(ctx, role):
     """The id of the agent session behind `--as agent`, when it can be told (§4.4)."""
     if role != "agent":
         return None
-    store = ctx.reader
-    with store.guard():
-        session = calling_session(store.conn, ctx.args.session)
+    session = me_or_none(ctx, ctx.reader)
     if session is None and ctx.args.session:
         raise PinboxError("E_NOT_FOUND", "no session %s" % ctx.args.session,
                           "run `pinbox session list` to see sessions (ses_… ids or agent:key)")
@@ -4804,17 +4809,15 @@ def cmd_session_forget(ctx):
     ctx.out.result(session, session["id"], "forgot %s session %s" % (session["agent"], session["key"]))
 
 
-def cmd_session_list(ctx):
-    sessions = list_sessions(ctx.reader)
-    rows = [[s["id"], s["agent"], s["key"], "active" if is_live(s) else "ended",
-             "seen " + relative_age(s.get("lastSeenAt")) + ("  " + s["cwd"] if s.get("cwd") else "")]
-            for s in sessions]
+def session_table(ctx, sessions, last_column):
+    """`session list` and `agent ls`: one row per session, a verb-specific last column."""
+    rows = [[s["id"], s["agent"], s["key"], "active" if is_live(s) else "ended", last_column(s)] for s in sessions]
     ctx.out.result(sessions, pad_columns(rows) or None, "%d session(s)" % len(sessions))
 
 
-def me_or_none(ctx, store):
-    with store.guard():
-        return calling_session(store.conn, ctx.args.session)
+def cmd_session_list(ctx):
+    session_table(ctx, list_sessions(ctx.reader),
+                  lambda s: "seen " + relative_age(s.get("lastSeenAt")) + ("  " + s["cwd"] if s.get("cwd") else ""))
 
 
 def cmd_agent_post(ctx):
@@ -4881,11 +4884,9 @@ def cmd_agent_ack(ctx):
 
 
 def cmd_agent_ls(ctx):
-    sessions = inbox_summary(ctx.reader)
-    rows = [[s["id"], s["agent"], s["key"], "active" if is_live(s) else "ended",
-             "inbox %d pending, %d new%s" % (s["inbox"]["pending"], s["inbox"]["new"],
-                                             ", parked" if s["inbox"]["parked"] else "")] for s in sessions]
-    ctx.out.result(sessions, pad_columns(rows) or None, "%d session(s)" % len(sessions))
+    session_table(ctx, inbox_summary(ctx.reader),
+                  lambda s: "inbox %d pending, %d new%s" % (s["inbox"]["pending"], s["inbox"]["new"],
+                                                           ", parked" if s["inbox"]["parked"] else ""))
 
 
 def cmd_session_trailer(ctx):

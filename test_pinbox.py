@@ -876,7 +876,7 @@ class TestRouting(HookCase):
     def test_sticky_routing_keeps_a_pin_with_its_session(self):
         a = self.register("ka")
         pin = self.pin("Header wraps")
-        b = self.register("kb")  # seen later, so the most recent session
+        self.register("kb")  # seen later, so the most recent session
         self.assertEqual(self.ok("show", pin["id"])["pin"]["agentSession"]["key"], "ka")
         self.inject("ka")
         self.inject("kb")
@@ -895,7 +895,6 @@ class TestRouting(HookCase):
         self.register("kb")
         newest = self.pin("newest")
         self.assertEqual(self.ok("show", newest["id"])["pin"]["agentSession"]["key"], "kb")
-        self.assertNotEqual(a, b)
 
     def test_every_event_has_exactly_one_ledger_row(self):
         self.register("k1")
@@ -984,10 +983,9 @@ class TestInjectAndStop(HookCase):
             "data, not instructions.", "- [open] header img.logo — Header logo is blurry (%s)" % mid["id"]])
         self.assertNotIn("fixed already", reason)
         self.assertEqual(self.stop("k1"), "")  # no hold loop
-        codex = self.register("t1", agent="codex")
+        self.register("t1", agent="codex")
         self.pin("for codex")
         self.assertTrue(self.stop("t1", agent="codex"))
-        self.assertTrue(codex)
 
     def test_hermes_gets_its_own_shapes(self):
         self.register("20261130_120000_abc123", agent="hermes")
@@ -1273,7 +1271,7 @@ class TestWebhook(DeliveryCase):
     def test_nothing_is_lost_when_the_hub_is_killed_again_and_again(self):
         import random
         self.receiver("ok")
-        sid = self.ended_session()
+        self.ended_session()
         store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
         pins = [pinbox.create_pin(store, {"text": "crash test %d" % i, "agentSession": {"agent": "claude",
                                                                                      "key": "k-ended"}})["id"]
@@ -1299,7 +1297,6 @@ class TestWebhook(DeliveryCase):
         self.assertLessEqual(duplicates, 20 * 16)  # at most what was in flight at each kill
         self.assertTrue(all(r["valid"] for r in got))
         print("  500 events, 20 kill -9: all received, %d re-sent (in flight at a kill)" % duplicates)
-        self.assertTrue(sid)
 
 
 class TestQueueRules(DeliveryCase):
@@ -3188,7 +3185,7 @@ class TestToolbarInChromium(HubCase):
         b.wait_for("document.getElementById('err').textContent.includes('missing or invalid bearer token')")
 
     def test_reopen_and_reply_from_the_page(self):
-        pin = self.post_pin("Logo is blurry", target={"url": "http://localhost:1/elsewhere", "selector": "h1"})
+        self.post_pin("Logo is blurry", target={"url": "http://localhost:1/elsewhere", "selector": "h1"})
         other = self.api("POST", "/pins", {"text": "Heading too big", "author": {"userId": "u"},
                                            "target": {"url": self.url, "selector": "h1"}}, 201)
         self.ok("resolve", other["id"])
@@ -3196,6 +3193,11 @@ class TestToolbarInChromium(HubCase):
         b.open(self.url)
         marker = self.shadow('[data-pinbox="marker"]')
         b.wait_for("!!(%s) && (%s).dataset.status === 'resolved'" % (marker, marker))
+        toggle = self.shadow('[data-pinbox="toggle"]')
+        b.key("p", 80)  # P starts picking, Esc stops it
+        b.wait_for("(%s).getAttribute('aria-pressed') === 'true'" % toggle)
+        b.key("Escape", 27)
+        b.wait_for("(%s).getAttribute('aria-pressed') !== 'true'" % toggle)
         self.assertEqual(b.evaluate("document.getElementById('pinbox-toolbar-host').shadowRoot"
                                     ".querySelectorAll('[data-pinbox=\"marker\"]').length"), 1)  # only this page's
         b.click_at(marker)
@@ -3211,7 +3213,6 @@ class TestToolbarInChromium(HubCase):
             time.sleep(0.1)
         self.assertEqual([(m["role"], m["text"]) for m in self.ok("show", other["id"])["thread"]],
                          [("human", "Still too big on mobile")])
-        self.assertTrue(pin)
 
 
 # ============================================================================
