@@ -47,6 +47,7 @@ NOT_FOUND_HINT = "run `pinbox list` to see valid ids (full ids only — prefixes
 class PinboxError(Exception):
     """The one error type: a stable code (which fixes the exit status), a message for
     people, and an optional hint saying what to do next."""
+    retryable = False  # the store cannot take it now (busy, read-only, disk full); HTTP 503
 
     def __init__(self, code, message, hint=None, exit_code=None):
         super().__init__(message)
@@ -413,15 +414,16 @@ class _StoreGuard:
 
 def store_error(path, exc):
     text = str(exc)
-    if "locked" in text or "busy" in text:
-        return PinboxError("E_INTERNAL", "the store is busy: %s" % text,
-                           "another process holds %s; retry in a moment" % path)
-    if "readonly" in text or "read-only" in text:
-        return PinboxError("E_INTERNAL", "the store is read-only: %s" % text,
-                           "make %s and its folder writable" % path)
-    if "disk" in text and "full" in text:
-        return PinboxError("E_INTERNAL", "the disk is full: %s" % text,
-                           "free some space on the disk that holds %s" % path)
+    if "unable to open" in text and os.path.exists(path) and not (
+            os.access(path, os.W_OK) and os.access(os.path.dirname(path), os.W_OK)):
+        text += " (the file or its folder is read-only)"  # SQLite cannot tell why
+    for words, what, hint in ((("locked", "busy"), "busy", "another process holds %s; retry in a moment"),
+                              (("readonly", "read-only"), "read-only", "make %s and its folder writable"),
+                              (("disk is full",), "on a full disk", "free some space on the disk that holds %s")):
+        if any(word in text for word in words):
+            err = PinboxError("E_INTERNAL", "the store is %s: %s" % (what, text), hint % path)
+            err.retryable = True
+            return err
     return PinboxError("E_INTERNAL", "cannot use the store: %s" % text,
                        "%s is damaged or not a pinbox database; move it aside (pinbox starts a "
                        "new one) or restore it from a backup" % path)
@@ -520,7 +522,7 @@ def list_pins(store, status=None, search=None):
             args.extend(ids)
         if where:
             sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY created_at DESC, rowid DESC"
+        sql += " ORDER BY n DESC, rowid DESC"  # numbers, not clock times: a clock can step back
         return [json.loads(raw) for (raw,) in store.conn.execute(sql, args)]
 
 
@@ -807,11 +809,22 @@ def check_session_ref(agent, key):
                       "pass --key <key>, or pipe the agent's hook payload JSON on stdin")
 
 
+def seen_now(conn):
+    """The lastSeenAt to stamp: now, or just after the latest one when the clock has
+    stepped back since. Routing asks who was seen last; a stepped clock must not
+    change the answer."""
+    now = iso_time()
+    latest = conn.execute("SELECT MAX(last_seen_at) FROM sessions").fetchone()[0]
+    if latest is None or latest < now:
+        return now
+    return iso_time(parse_iso(latest) + 0.001)
+
+
 def upsert_session(conn, agent, key, cwd=None):
     """Registers (agent, key), or refreshes it: lastSeenAt now, cwd updated, endedAt
     cleared (a session that comes back is live again). Returns (session, created)."""
     check_session_ref(agent, key)
-    now = iso_time()
+    now = seen_now(conn)
     existing = find_session(conn, agent, key)
     if existing is None or not is_live(existing):
         cap = env_number("PINBOX_MAX_SESSIONS", 50)
@@ -830,7 +843,7 @@ def upsert_session(conn, agent, key, cwd=None):
 
 
 def insert_session(conn, agent, key, cwd=None, ended=False):
-    now = iso_time()
+    now = seen_now(conn)
     session = ordered({"id": new_id("ses"), "agent": agent, "key": key, "cwd": cwd, "registeredAt": now,
                        "lastSeenAt": now, "endedAt": now if ended else None}, SESSION_KEYS)
     conn.execute("INSERT INTO sessions(id, agent, key, cwd, registered_at, last_seen_at, ended_at, json) "
@@ -974,10 +987,21 @@ def first_adapter(session, after=None):
     for adapter in order:
         if adapter_matches(adapter, session):
             if adapter == "hooks":
-                escalate = env_number("PINBOX_HOOKS_ESCALATE_MS", 600000) / 1000.0
-                return adapter, "pending", iso_time(time.time() + escalate)
+                return adapter, "pending", iso_time(time.time() + escalate_after())
             return adapter, "pending", iso_time()
     return "none", "pending", iso_time()
+
+
+def escalate_after():
+    return env_number("PINBOX_HOOKS_ESCALATE_MS", 600000) / 1000.0
+
+
+def clock_horizon(now):
+    """The furthest time pinbox schedules a row for (an escalation, a retry, a lease),
+    seen from `now`. A due time or lease beyond it was written before the clock stepped
+    back: it counts as due, or expired, rather than waiting out the step."""
+    ahead = max(escalate_after(), 900.0, resume_timeout() + 30, max(ADAPTER_TIMEOUT_S.values()) + 30)
+    return iso_time(now + ahead + 60)
 
 
 def insert_delivery(conn, seq, session_id, adapter, status, due_at=None):
@@ -1011,8 +1035,9 @@ def pending_pulls(conn, session_id):
     finish, so nothing is delivered twice."""
     return conn.execute(
         "SELECT d.id, e.seq, e.type, e.payload FROM deliveries d JOIN events e ON e.seq = d.event_seq "
-        "WHERE d.session_id = ? AND d.status = 'pending' AND (d.lease_until IS NULL OR d.lease_until < ?) "
-        "ORDER BY d.id", (session_id, iso_time())).fetchall()
+        "WHERE d.session_id = ? AND d.status = 'pending' "
+        "AND (d.lease_until IS NULL OR d.lease_until < ? OR d.lease_until > ?) ORDER BY d.id",
+        (session_id, iso_time(), clock_horizon(time.time()))).fetchall()
 
 
 def mark_delivered(conn, row_ids):
@@ -1023,7 +1048,7 @@ def mark_delivered(conn, row_ids):
 
 def open_pins(conn):
     return [json.loads(raw) for (raw,) in conn.execute(
-        "SELECT json FROM pins WHERE status = 'open' ORDER BY created_at DESC, rowid DESC")]
+        "SELECT json FROM pins WHERE status = 'open' ORDER BY n DESC, rowid DESC")]
 
 
 class Arrivals:
@@ -1074,7 +1099,7 @@ def collect_mid_turn(store, agent, key):
         session = find_session(conn, agent, key)
         if session is None:
             return Arrivals(conn, [])
-        conn.execute("UPDATE sessions SET last_seen_at = ? WHERE id = ?", (iso_time(), session["id"]))
+        conn.execute("UPDATE sessions SET last_seen_at = ? WHERE id = ?", (seen_now(conn), session["id"]))
         rows = pending_pulls(conn, session["id"])
         arrivals = Arrivals(conn, rows).only_open()
         mark_delivered(conn, [r[0] for r in rows])
@@ -1379,13 +1404,15 @@ def claim_due(store, owner, limit=32):
     claimed = []
     due = ("SELECT d.id, d.adapter, d.attempts, d.session_id, e.seq, e.type, e.at, e.payload FROM deliveries d "
            "JOIN events e ON e.seq = d.event_seq WHERE d.status = 'pending' AND d.session_id IS NOT NULL "
-           "AND d.due_at IS NOT NULL AND d.due_at <= ? AND (d.lease_until IS NULL OR d.lease_until < ?) "
-           "ORDER BY d.due_at, d.id LIMIT ?")
+           "AND d.due_at IS NOT NULL AND (d.due_at <= :now OR d.due_at > :far) "
+           "AND (d.lease_until IS NULL OR d.lease_until < :now OR d.lease_until > :far) "
+           "ORDER BY d.due_at, d.id LIMIT :limit")
+    when = {"now": iso_time(now), "far": clock_horizon(now)}
     with store.guard():
-        if not store.conn.execute(due, (iso_time(now), iso_time(now), 1)).fetchone():
+        if not store.conn.execute(due, dict(when, limit=1)).fetchone():
             return claimed  # nothing due: no write lock taken from the writers
     with store.guard(), store.write() as conn:
-        rows = conn.execute(due, (iso_time(now), iso_time(now), limit)).fetchall()
+        rows = conn.execute(due, dict(when, limit=limit)).fetchall()
         for row_id, adapter, attempts, session_id, seq, kind, at, raw in rows:
             session = get_session(conn, session_id)
             payload = json.loads(raw)
@@ -1616,7 +1643,7 @@ def read_inbox(store, session, reader_id):
     own = reader_id == session["id"]
     with store.guard(), (store.write() if own else _NoTransaction(store)) as conn:
         rows = conn.execute("SELECT id, session_id, sender, text, posted_at, seen FROM inbox "
-                            "WHERE session_id = ? AND posted_at >= ? ORDER BY posted_at, rowid",
+                            "WHERE session_id = ? AND posted_at >= ? ORDER BY rowid",
                             (session["id"], inbox_cutoff())).fetchall()
         if own:
             conn.execute("UPDATE inbox SET seen = 1 WHERE session_id = ? AND seen = 0", (session["id"],))
@@ -1813,7 +1840,7 @@ class Response:
 
 
 def error_response(err):
-    return Response(HTTP_STATUS.get(err.code, 500), error=err)
+    return Response(503 if err.retryable else HTTP_STATUS.get(err.code, 500), error=err)
 
 
 # --- Validating what a page sends -------------------------------------------------

@@ -73,8 +73,8 @@ class PinboxCase(unittest.TestCase):
         git(self.repo, "config", "user.email", "pat@example.com")
         git(self.repo, "config", "user.name", "Pat Tester")
 
-    def run_pinbox(self, *args, stdin=b"", cwd=None, env=None, script=False, timeout=60):
-        command = [sys.executable, SCRIPT] if script else [sys.executable, "-c", BOOT]
+    def run_pinbox(self, *args, stdin=b"", cwd=None, env=None, script=False, timeout=60, boot=BOOT):
+        command = [sys.executable, SCRIPT] if script else [sys.executable, "-c", boot]
         done = subprocess.run(command + [str(a) for a in args], cwd=cwd or self.repo, env=env or self.env,
                               input=stdin if isinstance(stdin, bytes) else stdin.encode(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout)
@@ -156,9 +156,9 @@ class HubCase(PinboxCase):
 
     HUB_ENV = {}
 
-    def start_hub(self, env=None):
+    def start_hub(self, env=None, command=(sys.executable, SCRIPT)):
         env = dict(env or self.env, PINBOX_IDLE_MS=self.IDLE_MS, **self.HUB_ENV)
-        self.proc = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=self.repo, env=env,
+        self.proc = subprocess.Popen(list(command) + ["serve"], cwd=self.repo, env=env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.addCleanup(self.stop_hub, self.proc)
         self.hub = self.wait_hub_json(lambda data: data["pid"] == self.proc.pid)
@@ -446,6 +446,122 @@ class TestStore(PinboxCase):
         self.assertEqual(sorted(r[1] for r in rows), list(range(1, 802)))
         self.assertEqual(self.sql("SELECT COUNT(*) FROM events WHERE type = 'pin.created'")[0][0], 801)
         self.assertEqual(self.sql("PRAGMA integrity_check")[0][0], "ok")
+
+
+def mount_tmpfs(case, path, size):
+    """A small tmpfs of its own at `path` (Linux, as root), unmounted after the test."""
+    os.makedirs(path, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=%s,mode=0700" % size, "tmpfs", path],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        case.skipTest("cannot mount a tmpfs here (Linux, root with CAP_SYS_ADMIN): %s" % done.stdout.decode().strip())
+    case.addCleanup(subprocess.run, ["umount", "-l", path])
+
+
+class TestStoreFaults(HubCase):
+    """The store's disk fills up, or turns read-only: every write gets a clear error (an
+    envelope, HTTP 503; hooks and commits go on quietly), nothing written before is lost,
+    and once the disk has room again everything works as before."""
+
+    def setUp(self):
+        PinboxCase.setUp(self)
+        git_commit(self.repo, "initial")
+        mount_tmpfs(self, os.path.join(self.repo, ".pinbox"), "4m")
+        self.ok("init")
+        self.start_hub()
+
+    def refused_or_done(self, result, words):
+        """A write either worked or was refused with the store's reason; never anything else."""
+        if result.code == 0:
+            return result.json["data"]
+        self.assertEqual(result.code, 1, result)
+        self.assertIn(words, result.json["error"]["message"], result)
+        self.assertNotIn("Traceback", result.err)
+        return None
+
+    def quiet_hook(self):
+        result = self.run_pinbox("session", "register", "--hook", "--agent", "claude",
+                                 stdin=payload("k-hook", "SessionStart", self.repo))
+        self.assertEqual((result.code, result.out), (0, ""))
+        self.assertLessEqual(len(result.err.splitlines()), 1)
+
+    def fill_disk(self):
+        filler = os.open(os.path.join(self.repo, ".pinbox", "filler"), os.O_WRONLY + os.O_CREAT)
+        try:
+            while True:
+                os.write(filler, b"\0" * 65536)
+        except OSError as exc:
+            self.assertEqual(exc.errno, 28)  # ENOSPC
+        finally:
+            os.close(filler)
+
+    def test_a_full_disk_refuses_writes_clearly_and_loses_nothing(self):
+        kept = [self.pin("before the disk filled %d" % i)["id"] for i in range(5)]
+        self.fill_disk()
+        made, refused = [], 0
+        for i in range(12):  # what is left in the WAL file may still take a few
+            pin = self.refused_or_done(self.run_pinbox("pin", "full disk %d " % i + "x" * 30000), "full disk")
+            code, data, _ = self.request("POST", "/pins", {"text": "page %d " % i + "y" * 30000,
+                                                           "author": {"userId": "u"}})
+            self.assertIn(code, (201, 503), data)
+            if code == 503:
+                self.assertIn("full disk", data["error"]["message"])
+            made += [p["id"] for p in (pin, data["data"]["pin"] if code == 201 else None) if p]
+            refused += (pin is None) + (code == 503)
+            self.refused_or_done(self.run_pinbox("reply", kept[0], "reply %d" % i), "full disk")
+            self.quiet_hook()
+        self.assertGreater(refused, 0)
+        commit = git_commit(self.repo, "Fixes: %s" % kept[1], env=self.env)  # the commit itself is not refused
+        self.assertEqual(self.request("GET", "/health", token=False)[0], 200)
+        os.unlink(os.path.join(self.repo, ".pinbox", "filler"))
+        self.assertEqual(self.sql("PRAGMA integrity_check"), [("ok",)])
+        for pin_id in kept + made:
+            self.ok("show", pin_id)
+        self.pin("after the disk had room again")
+        self.ok("session", "trailer", "--commit", commit)
+        self.assertEqual(self.ok("show", kept[1])["pin"]["status"], "resolved")
+        numbers = [r[0] for r in self.sql("SELECT n FROM pins")]
+        self.assertEqual(sorted(numbers), list(range(1, len(numbers) + 1)))
+        self.assertNotIn(b"Traceback", self.proc_stderr_so_far())
+        print("\n  full disk: %d writes refused, %d went through, nothing lost" % (refused, len(made)))
+
+    def make_read_only(self, folder):
+        """Read-only for real: a read-only remount as root (who ignores file modes), else modes."""
+        if os.geteuid() != 0:
+            for name in os.listdir(folder):
+                os.chmod(os.path.join(folder, name), 0o400)
+            os.chmod(folder, 0o500)
+            return lambda: [os.chmod(folder, 0o700)] + [os.chmod(os.path.join(folder, n), 0o600)
+                                                         for n in os.listdir(folder)]
+        done = subprocess.run(["mount", "-o", "remount,ro", folder], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.assertEqual(done.returncode, 0, done.stdout)
+        return lambda: subprocess.run(["mount", "-o", "remount,rw", folder], check=True)
+
+    def test_a_read_only_store_is_refused_clearly_and_kept(self):
+        kept = [self.pin("before it turned read-only %d" % i)["id"] for i in range(3)]
+        self.quiet_hook()
+        self.ok("agent", "post", "claude:k-hook", "kept too")
+        self.stop_hub(self.proc)  # no process may hold the file open for writing
+        folder = os.path.join(self.repo, ".pinbox")
+        writable_again = self.make_read_only(folder)
+        for args in (("list",), ("show", kept[0]), ("pin", "refused"), ("reply", kept[0], "refused"),
+                     ("resolve", kept[1]), ("agent", "post", "claude:k-hook", "refused")):
+            self.assertIsNone(self.refused_or_done(self.run_pinbox(*args), "read-only"), args)
+        error = self.run_pinbox("pin", "refused").json["error"]
+        self.assertEqual(error["hint"], "make %s and its folder writable" % self.db_path)
+        self.quiet_hook()
+        git_commit(self.repo, "Fixes: %s" % kept[2], env=self.env)
+        serve = subprocess.run([sys.executable, SCRIPT, "serve"], cwd=self.repo, env=self.env, timeout=30,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.assertEqual(serve.returncode, 1)
+        self.assertIn("read-only", json.loads(serve.stdout)["error"]["message"])
+        writable_again()
+        self.assertEqual(self.sql("PRAGMA integrity_check"), [("ok",)])
+        self.assertEqual(sorted(p["id"] for p in self.ok("list")), sorted(kept))
+        self.assertEqual(self.ok("show", kept[2])["pin"]["status"], "open")  # its commit went on; rerun the trailer:
+        self.ok("session", "trailer")
+        self.assertEqual(self.ok("show", kept[2])["pin"]["status"], "resolved")
+        self.assertEqual(len(self.ok("agent", "inbox", "--session", "claude:k-hook")["messages"]), 1)
 
 
 # ============================================================================
@@ -1144,7 +1260,8 @@ http.createServer((req, res) => {
     const got = req.headers['x-pinbox-signature'] || '';
     const valid = got.length === want.length && crypto.timingSafeEqual(Buffer.from(got), Buffer.from(want));
     calls += 1;
-    const status = mode === 'always-500' ? 500 : (mode === 'twice-500' && calls <= 2) ? 500 : 200;
+    const failures = {'always-500': Infinity, 'twice-500': 2, 'once-500': 1}[mode] || 0;
+    const status = calls <= failures ? 500 : 200;
     fs.appendFileSync(log, JSON.stringify({at: Date.now(), valid, status, delivery: req.headers['x-pinbox-delivery'],
       event: req.headers['x-pinbox-event'], body: body.toString()}) + '\n');
     res.writeHead(status, {'content-type': 'text/plain'}); res.end(String(status));
@@ -1354,6 +1471,59 @@ def urllib_post(url, body, headers):
     from urllib.request import Request as HttpRequest, urlopen
     with urlopen(HttpRequest(url, data=body, headers=headers, method="POST"), timeout=10) as answer:
         return answer.status
+
+
+# pinbox with a clock the test steps: time.time() plus the seconds written in a file.
+CLOCK_BOOT = """import sys, time
+sys.path.insert(0, %r)
+real = time.time
+def stepped():
+    try:
+        with open(%r) as handle:
+            return real() + float(handle.read())
+    except (OSError, ValueError):
+        return real()
+time.time = stepped
+import pinbox
+pinbox.main()
+"""
+
+
+class TestClockSteps(DeliveryCase):
+    """The clock steps back two hours under a running hub and the CLI. Rows scheduled
+    before the step are not held for two hours, and the order of pins, sessions and
+    inbox messages stays the order they came in."""
+    RETRY_MS = "5000"
+
+    def test_a_step_back_delays_and_reorders_nothing(self):
+        clock = os.path.join(self.tmp, "clock")
+        boot = CLOCK_BOOT % (HERE, clock)
+        self.receiver("once-500")
+        self.start_hub(command=(sys.executable, "-c", boot))
+        self.ended_session()
+        before = self.ok("session", "register", "--agent", "codex", "--key", "before", "--cwd", self.repo, boot=boot)
+        first = self.ok("pin", "made before the step", boot=boot)
+        self.ok("agent", "post", "codex:before", "first message", boot=boot)
+        pushed = self.bound_pin("pushed to the webhook")
+        self.wait_rows(lambda rows: any(r[1] == "webhook" and r[3] == 1 for r in rows))  # failed once; retry in 5 s
+        with open(clock, "w") as handle:
+            handle.write("-7200")
+        stepped = time.monotonic()
+        # The retry was scheduled before the step: it is due now, not in two hours.
+        self.wait_rows(lambda rows: any(r[1] == "webhook" and r[2] == "delivered" for r in rows), timeout=30)
+        print("\n  webhook retry scheduled before a 2 h step back: delivered %.1f s after the step"
+              % (time.monotonic() - stepped))
+        after = self.ok("session", "register", "--agent", "codex", "--key", "after", "--cwd", self.repo, boot=boot)
+        second = self.ok("pin", "made after the step", boot=boot)
+        self.assertEqual(self.ok("show", second["id"])["pin"]["agentSession"]["key"], "after")  # seen last
+        self.assertEqual(self.ok("show", first["id"])["pin"]["agentSession"]["key"], "before")
+        self.ok("agent", "post", "codex:before", "second message", boot=boot)
+        self.assertEqual([p["id"] for p in self.ok("list", boot=boot)], [second["id"], pushed["id"], first["id"]])
+        listed = self.ok("session", "list", boot=boot)
+        self.assertEqual([s["id"] for s in listed][:2], [after["id"], before["id"]])
+        inbox = self.ok("agent", "inbox", "--session", "codex:before", boot=boot)["messages"]
+        self.assertEqual([m["text"] for m in inbox], ["first message", "second message"])
+        self.assertEqual(self.sql("PRAGMA integrity_check"), [("ok",)])
 
 
 class TestResumeAndOpenClaw(DeliveryCase):
