@@ -132,14 +132,26 @@ def git_output(args, cwd):
     return done.stdout.decode("utf-8", "replace")
 
 
+UTF8_HINT = "pinbox stores text as UTF-8; convert it first (for example with iconv -t UTF-8)"
+
+
+def check_arguments(argv):
+    """Undecodable bytes in an argument arrive as lone surrogates, which no id, flag or
+    SQLite value can hold: refused here, once, for every verb."""
+    for arg in argv:
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            raise invalid("argument %s is not valid UTF-8" % ascii(arg)[:60], UTF8_HINT)
+
+
 def clean_text(text, what):
     """Text as stored: valid UTF-8 (arguments arrive with undecodable bytes escaped),
     at most MAX_TEXT_BYTES."""
     try:
         size = len(text.encode("utf-8"))
     except UnicodeEncodeError:
-        raise invalid("%s is not valid UTF-8" % what,
-                      "pinbox stores text as UTF-8; convert it first (for example with iconv -t UTF-8)")
+        raise invalid("%s is not valid UTF-8" % what, UTF8_HINT)
     if size > MAX_TEXT_BYTES:
         raise invalid("%s is %d bytes; the limit is %d (64 KiB)" % (what, size, MAX_TEXT_BYTES),
                       "shorten it, or put the long part in a file and point to it with --file")
@@ -4805,7 +4817,7 @@ def cmd_session_pending(ctx):
 
 def named_session(ctx, conn):
     args = ctx.args
-    if getattr(args, "session", None):
+    if getattr(args, "session", None) is not None or not hasattr(args, "agent"):
         session = lookup_session(conn, args.session)
         label = args.session
     else:
@@ -5342,7 +5354,11 @@ def run(argv=None, cwd=None):
         parser = build_parser()
         if not argv:
             raise invalid("no command given", usage_hint(None))
+        check_arguments(argv)
         args = parser.parse_args(argv)
+        for name, value in vars(args).items():
+            if isinstance(value, list) and name != "ids":  # argparse turns `x -- --` into []
+                raise invalid("missing required argument '%s'" % name)
         if args.version:
             write_out(VERSION + "\n")
             return 0

@@ -42,6 +42,11 @@ def git(cwd, *args, env=None):
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE).stdout.decode().strip()
 
 
+def campaign_scale():
+    """PINBOX_CAMPAIGN=full (set by .ci/run) makes the fuzz and fault campaigns 4x longer."""
+    return 4 if os.environ.get("PINBOX_CAMPAIGN") == "full" else 1
+
+
 class Result:
     def __init__(self, code, out, err):
         self.code, self.out, self.err = code, out, err
@@ -142,6 +147,17 @@ class PinboxCase(unittest.TestCase):
             return conn.execute(query, params).fetchall()
         finally:
             conn.close()
+
+    def assert_store_whole(self):
+        """What no campaign may break: every event has exactly one ledger row, pin numbers
+        are unique and gapless, and SQLite finds the file sound."""
+        self.assertEqual(self.sql("SELECT COUNT(*) FROM events")[0][0],
+                         self.sql("SELECT COUNT(DISTINCT event_seq) FROM deliveries")[0][0])
+        self.assertEqual(self.sql("SELECT COUNT(*) FROM deliveries")[0][0],
+                         self.sql("SELECT COUNT(*) FROM events")[0][0])
+        numbers = [r[0] for r in self.sql("SELECT n FROM pins")]
+        self.assertEqual(sorted(numbers), list(range(1, len(numbers) + 1)))
+        self.assertEqual(self.sql("PRAGMA integrity_check"), [("ok",)])
 
 
 class HubCase(PinboxCase):
@@ -814,7 +830,7 @@ LOAD_WORKER = r"""
 import contextlib, io, json, random, sys, time
 sys.path.insert(0, sys.argv[1])
 import pinbox
-me, seconds, seed = int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+me, seconds, seed, workers = int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 rnd = random.Random(seed * 100 + me)
 key = "load-%d" % me
 ops, failures = {}, []
@@ -826,11 +842,15 @@ def run(*args, stdin=None):
     text = out.getvalue()
     if code != 0 or "locked" in text:
         failures.append((args[:2], code, text[:300]))
-    return json.loads(text)["data"] if code == 0 else None
+        return None
+    data = json.loads(text)["data"]
+    if args[0] in ("pin", "reply", "resolve"):  # a journal of what is confirmed, for a killer to check
+        print(json.dumps({"done": args[0], "id": data["id"]}), flush=True)
+    return data
 
 run("session", "register", "--agent", "claude", "--key", key, "--cwd", ".")
 start = time.monotonic()  # every worker registered before anyone posts to it
-while len(run("session", "list") or []) < 16 and time.monotonic() - start < 60:
+while len(run("session", "list") or []) < workers and time.monotonic() - start < 60:
     time.sleep(0.05)
 deadline = time.monotonic() + seconds
 mine = []
@@ -850,7 +870,7 @@ while time.monotonic() < deadline:
     elif op == "inject":
         run("session", "inject", "--agent", "claude", "--key", key)
     elif op == "post":
-        run("agent", "post", "claude:load-%d" % rnd.randrange(16), "hello from %d" % me)
+        run("agent", "post", "claude:load-%d" % rnd.randrange(workers), "hello from %d" % me)
     else:
         got = run("agent", "inbox", "--session", "claude:" + key)
         if got and got["messages"]:
@@ -869,7 +889,7 @@ class TestLoad(HookCase):
         seconds = float(os.environ.get("PINBOX_LOAD_SECONDS") or 10)
         seed = int(os.environ.get("PINBOX_FUZZ_SEED") or random.randrange(1 << 30))
         env = dict(self.env, PINBOX_MAX_SESSIONS="100")
-        procs = [subprocess.Popen([sys.executable, "-c", LOAD_WORKER, HERE, str(i), str(seconds), str(seed)],
+        procs = [subprocess.Popen([sys.executable, "-c", LOAD_WORKER, HERE, str(i), str(seconds), str(seed), "16"],
                                   cwd=self.repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                  for i in range(16)]
         results = []
@@ -882,14 +902,62 @@ class TestLoad(HookCase):
         self.assertEqual(failures, [])
         total = sum(sum(r["ops"].values()) for r in results)
         print("\n  load: 16 processes, %.0f s, seed %d: %d commands, 0 failed" % (seconds, seed, total))
-        self.assertEqual(self.sql("SELECT COUNT(*) FROM events")[0][0],
-                         self.sql("SELECT COUNT(DISTINCT event_seq) FROM deliveries")[0][0])
-        self.assertEqual(self.sql("SELECT COUNT(*) FROM deliveries")[0][0],
-                         self.sql("SELECT COUNT(*) FROM events")[0][0])
-        numbers = [r[0] for r in self.sql("SELECT n FROM pins")]
-        self.assertEqual(len(numbers), len(set(numbers)))
-        self.assertEqual(sorted(numbers), list(range(1, len(numbers) + 1)))
-        self.assertEqual(self.sql("PRAGMA integrity_check"), [("ok",)])
+        self.assert_store_whole()
+
+
+class TestKills(HubCase):
+    """Writers (pin, reply, resolve, register, inject, post, ack) and the hub get SIGKILL
+    or SIGTERM at random moments, round after round (PINBOX_CAMPAIGN=full: 4x the
+    rounds). Whatever a writer reported done is there at the end, a writer left alone
+    never failed, and the store is whole."""
+    ROUNDS = 20
+
+    def test_writers_and_the_hub_killed_at_random_moments(self):
+        import random
+        seed = int(os.environ.get("PINBOX_FUZZ_SEED") or random.randrange(1 << 30))
+        rnd = random.Random(seed)
+        rounds = self.ROUNDS * campaign_scale()
+        done = {"pin": set(), "reply": set(), "resolve": set()}
+        kills = {}
+        env = dict(self.env, PINBOX_MAX_SESSIONS="100")
+        for round_number in range(rounds):
+            procs = [subprocess.Popen([sys.executable, "-c", LOAD_WORKER, HERE, str(i), "0.6",
+                                       str(seed + round_number), "4"], cwd=self.repo, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(4)]
+            time.sleep(rnd.uniform(0.05, 0.7))
+            victims = rnd.sample(procs, rnd.randint(1, 3))
+            for proc in victims:
+                sig = rnd.choice([signal.SIGKILL, signal.SIGTERM])
+                proc.send_signal(sig)
+                kills["writer " + sig.name] = kills.get("writer " + sig.name, 0) + 1
+            if rnd.random() < 0.25:
+                sig = rnd.choice([signal.SIGKILL, signal.SIGTERM])
+                self.proc.send_signal(sig)
+                kills["hub " + sig.name] = kills.get("hub " + sig.name, 0) + 1
+                self.proc.wait(timeout=20)
+                self.start_hub()
+            for proc in procs:
+                out, err = proc.communicate(timeout=60)
+                lines = out.decode().splitlines()
+                for line in lines:
+                    if line.startswith('{"done"') and line.endswith("}"):
+                        entry = json.loads(line)
+                        done[entry["done"]].add(entry["id"])
+                if proc.returncode == 0:  # never killed, or killed after it finished: it failed nothing
+                    self.assertEqual(json.loads(lines[-1])["failures"], [], seed)
+                else:
+                    self.assertIn(proc.returncode, (-signal.SIGKILL, -signal.SIGTERM), (seed, err.decode()[-2000:]))
+                self.assertNotIn(b"Traceback", err, seed)
+        self.assertEqual(self.request("GET", "/health", token=False)[0], 200)
+        self.assert_store_whole()
+        stored = {pin_id: status for pin_id, status in self.sql("SELECT id, status FROM pins")}
+        self.assertEqual(done["pin"] - set(stored), set(), seed)
+        self.assertEqual({pin_id for pin_id in done["resolve"] if stored.get(pin_id) != "resolved"}, set(), seed)
+        replies = {row[0] for row in self.sql("SELECT id FROM thread_messages")}
+        self.assertEqual(done["reply"] - replies, set(), seed)
+        print("\n  kills, seed %d: %d rounds, %s; %d pins, %d replies, %d resolves reported done, all there"
+              % (seed, rounds, ", ".join("%s ×%d" % item for item in sorted(kills.items())),
+                 len(done["pin"]), len(done["reply"]), len(done["resolve"])))
 
 
 class TestSessions(HookCase):
@@ -2102,7 +2170,99 @@ class TestExport(PinboxCase):
         self.assertEqual((r.code, r.out), (0, ""))
 
 
+# Generated command lines, run in one process through pinbox.run (what main() calls):
+# every verb and option the parser knows, with values that are empty, huge, negative,
+# undecodable, shell-like or option-like. Each must end in an envelope whose code
+# matches the exit status; E_INTERNAL (a bug) and tracebacks never.
+CLI_FUZZ_WORKER = r"""
+import argparse, contextlib, io, json, random, sys
+sys.path.insert(0, sys.argv[1])
+import pinbox
+seed, count, known = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+rnd = random.Random(seed)
+
+def commands(parser, path=()):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from commands(sub, path + (name,))
+            return
+    yield list(path), [o for a in parser._actions for o in a.option_strings]
+
+table = [(path, flags) for path, flags in commands(pinbox.build_parser()) if path[:1] != ["serve"]]
+values = ["", "-", "--", "-1", "0", "99999999999999999999", "1e309", "open", "resolved", "json", "md", "forensic",
+          "claude", "codex:k", "hermes:", "ses_0000000000", "pin_0000000000", "pin_", "msg_zz", "x" * 70000,
+          "\udcff\udcfe", "caf\u00e9 \u2028 line", "$(touch pwned)", "`id`; rm -rf /", "a\nb", "../../x",
+          "http://localhost:5173/", "javascript:alert(1)", "--json", "--help", "-h", "--as", "agent", "mirror",
+          "README.md:12", "README.md:-4", "none", "claude,codex,bogus"] + known
+answers, problems = {}, []
+for _ in range(count):
+    path, flags = rnd.choice(table)
+    argv = list(path)
+    if argv and rnd.random() < 0.1:
+        argv[rnd.randrange(len(argv))] = rnd.choice(values)
+    for _ in range(rnd.randrange(6)):
+        argv.insert(rnd.randrange(len(argv) + 1) if rnd.random() < 0.2 else len(argv),
+                    rnd.choice(flags + values) if flags else rnd.choice(values))
+    if "--wait" in argv:
+        continue  # blocks by design
+    out, err = io.StringIO(), io.StringIO()
+    sys.stdin = io.TextIOWrapper(io.BytesIO(rnd.choice([b"", b"piped text", b"\xff\xfe", b"{" * 5000])))
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = pinbox.run(argv)
+        except SystemExit as exc:  # argparse's --help for a verb; main() exits with it too
+            code = exc.code
+        except BaseException as exc:
+            code = "raised %r" % exc
+    text = out.getvalue()
+    try:
+        envelope = json.loads(text)
+    except ValueError:
+        envelope = None
+    if isinstance(envelope, dict) and envelope.get("ok") is False:
+        error = envelope["error"]["code"]
+        answers[error] = answers.get(error, 0) + 1
+        if error == "E_INTERNAL" or code != pinbox.EXIT_CODES[error]:
+            problems.append((argv, code, text[:500]))
+    elif code == 0:
+        answers["ok"] = answers.get("ok", 0) + 1
+    elif argv[:1] == ["export"] and code == 2 and err.getvalue().startswith("pinbox: ") and not text:
+        answers["export's human error"] = answers.get("export's human error", 0) + 1
+    else:
+        problems.append((argv, code, text[:500]))
+    if "Traceback" in err.getvalue():
+        problems.append((argv, code, err.getvalue()[-1000:]))
+print(json.dumps({"answers": answers, "problems": [(repr(a)[:300], c, t[:300]) for a, c, t in problems[:10]]}))
+"""
+
+
 class TestCommandLine(PinboxCase):
+    COMMAND_LINES = 1500
+
+    def test_generated_command_lines(self):
+        import random
+        seed = int(os.environ.get("PINBOX_FUZZ_SEED") or random.randrange(1 << 30))
+        count = self.COMMAND_LINES * campaign_scale()
+        pin = self.pin("kept through the campaign")
+        reply = self.ok("reply", pin["id"], "kept too")
+        session = self.ok("session", "register", "--agent", "claude", "--key", "k", "--cwd", self.repo)
+        before = {table: self.sql("SELECT COUNT(*) FROM %s" % table)[0][0]
+                  for table in ("pins", "thread_messages", "events")}
+        done = subprocess.run([sys.executable, "-c", CLI_FUZZ_WORKER, HERE, str(seed), str(count),
+                               pin["id"], reply["id"], session["id"]], cwd=self.repo, env=self.env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=600)
+        self.assertEqual(done.returncode, 0, done.stderr.decode()[-3000:])
+        report = json.loads(done.stdout.decode().splitlines()[-1])
+        self.assertEqual(report["problems"], [], "seed %d" % seed)
+        print("\n  command-line fuzz, seed %d: %d command lines: %s" % (seed, count, ", ".join(
+            "%s ×%d" % item for item in sorted(report["answers"].items()))))
+        self.assertEqual(self.sql("PRAGMA integrity_check"), [("ok",)])
+        for table, number in before.items():
+            self.assertGreaterEqual(self.sql("SELECT COUNT(*) FROM %s" % table)[0][0], number, table)
+        self.assertEqual(self.ok("show", pin["id"])["thread"][0]["text"], "kept too")
+        self.assertFalse(os.path.exists(os.path.join(self.repo, "pwned")))
+
     def test_parser_errors_are_envelopes_with_the_verbs_hint(self):
         self.assertEqual(self.run_pinbox("doctor", "--fix", "--json").json, {"ok": False, "error": {
             "code": "E_INVALID_INPUT", "message": "unknown option '--fix'", "hint": "run `pinbox doctor --help` for usage"}})
