@@ -132,6 +132,21 @@ def git_output(args, cwd):
     return done.stdout.decode("utf-8", "replace")
 
 
+def replace_file(path, text, mode):
+    """Writes `text` to a new file beside `path` and renames it over `path`. A symlink
+    planted at either name (a cloned repo can ship one in .pinbox/) is replaced, never
+    written through."""
+    tmp = "%s.pinbox-%d" % (path, os.getpid())
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY + os.O_CREAT + os.O_EXCL, mode)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
 UTF8_HINT = "pinbox stores text as UTF-8; convert it first (for example with iconv -t UTF-8)"
 
 
@@ -478,6 +493,9 @@ def create_pin(store, fields):
     text = clean_text(fields.get("text", ""), "pin text")
     if not text.strip():
         raise invalid("pin text must not be empty", 'quote the text: pinbox pin "your text"')
+    ref = fields.get("agentSession")
+    if isinstance(ref, dict) and ref.get("agent") in AGENTS:  # a session the pin will be routed to
+        check_session_ref(ref["agent"], ref.get("key"))
     pin = dict(fields, text=text)
     pin.setdefault("kind", "note")
     pin.setdefault("author", {"userId": "unknown"})
@@ -819,6 +837,8 @@ def check_session_ref(agent, key):
     if not isinstance(key, str) or not key.strip() or len(key) > 512:
         raise invalid("a session key must be a non-empty string of at most 512 characters",
                       "pass --key <key>, or pipe the agent's hook payload JSON on stdin")
+    if key.startswith("-"):  # it is passed to `claude --resume <key>`: it must never read as an option
+        raise invalid("a session key must not start with '-'", "agents' session ids never do; check --key")
 
 
 def seen_now(conn):
@@ -1159,14 +1179,17 @@ POINTER = ("Details: `pinbox show <id>` · reply: `pinbox reply <id> <text> --as
 QUOTE_LIMIT = 2000
 
 
+LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # what str.splitlines breaks at
+
+
 def flat(text):
     """One line of text: a pin line can never be broken into lines that look like
     pinbox's own."""
     out = []
     for ch in text:
-        if ch in "\r\n":
+        if ch in LINE_BREAKS:
             out.append(" ⏎ ")
-        elif ord(ch) < 32 or ord(ch) == 127:
+        elif ord(ch) < 32 or 127 <= ord(ch) < 160:
             out.append(" ")
         else:
             out.append(ch)
@@ -1185,8 +1208,7 @@ def fenced(text):
 
 
 def agent_pin_line(pin, limit=600):
-    pin = dict(pin, text=flat(pin.get("text", "")))
-    line = compact_line(pin)
+    line = flat(compact_line(pin))  # the selector and URL come from the page too
     return line if len(line) <= limit else line[:limit - 1] + "…"
 
 
@@ -1297,7 +1319,9 @@ def run_agent_command(argv, cwd, timeout):
     timeout the whole group is killed (a resumed agent may leave children behind).
     Returns (exit status or None on timeout, stderr tail)."""
     import subprocess
-    proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+    # The agent acts on text a page sent: it gets none of the hub's secrets.
+    env = {name: value for name, value in os.environ.items() if name not in HUB_SECRETS}
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, start_new_session=True)
     RUNNING_PUSHES.add(proc)
     try:
@@ -1310,6 +1334,7 @@ def run_agent_command(argv, cwd, timeout):
         RUNNING_PUSHES.discard(proc)
 
 
+HUB_SECRETS = ("PINBOX_WEBHOOK_SECRET", "PINBOX_WEBHOOK_URL")
 RUNNING_PUSHES = set()  # agent processes a push is waiting on, ended with the hub
 HUB_STOPPING = []  # non-empty once the hub ends its pushes: their outcome is not a verdict
 
@@ -1709,6 +1734,7 @@ def wait_folder(store):
 def wake_waiters(store, session_id=None):
     """A byte into the FIFO of each reader parked on this inbox (on every inbox, when
     no session is named)."""
+    import stat
     folder = wait_folder(store)
     try:
         names = [n for n in os.listdir(folder) if session_id is None or n.startswith(session_id + ".")]
@@ -1717,7 +1743,7 @@ def wake_waiters(store, session_id=None):
     for name in names:
         path = os.path.join(folder, name)
         try:
-            fd = os.open(path, os.O_WRONLY + os.O_NONBLOCK)
+            fd = os.open(path, os.O_WRONLY + os.O_NONBLOCK + os.O_NOFOLLOW)
         except OSError:
             try:
                 os.unlink(path)  # nobody reads it any more
@@ -1725,7 +1751,8 @@ def wake_waiters(store, session_id=None):
                 pass
             continue
         try:
-            os.write(fd, b"x")
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):  # a file planted under that name is left alone
+                os.write(fd, b"x")
         except OSError:
             pass
         finally:
@@ -2073,25 +2100,38 @@ def r_attachment(hub, request):
     attachment_id = new_id("att")
     # The name is the server's own: nothing the page sends reaches the file system.
     name = "%s.%s" % (attachment_id, MEDIA_TYPES.get(essence, "bin"))
-    folder = os.path.join(hub.directory, "media")
-    os.makedirs(folder, exist_ok=True)
+    folder = media_folder(hub)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
     path = os.path.join(folder, name)
-    with open(path, "xb") as handle:
+    with os.fdopen(os.open(path, os.O_WRONLY + os.O_CREAT + os.O_EXCL, 0o600), "wb") as handle:
         handle.write(request.body)
     attachment = {"id": attachment_id, "kind": kind, "path": path, "url": "/media/" + name, "contentType": essence}
     return Response(201, {"attachment": attachment})
 
 
+def media_folder(hub):
+    """.pinbox/media, unless it is a symlink (a cloned repo can ship one): attachments
+    are written and served from that folder and nowhere else."""
+    folder = os.path.join(hub.directory, "media")
+    if os.path.islink(folder):
+        raise PinboxError("E_FORBIDDEN", "%s is a symlink; attachments stay in a real folder" % folder,
+                          "remove the link; pinbox makes the folder again")
+    return folder
+
+
 def r_media(hub, request, name):
     import re
-    if not re.match(r"^att_[a-z0-9]{10}\.[a-z]{3,4}$", name):
+    import stat
+    if not re.fullmatch(r"att_[a-z0-9]{10}\.[a-z]{3,4}", name):
         raise PinboxError("E_NOT_FOUND", "no such attachment")
-    path = os.path.join(hub.directory, "media", name)
     try:
-        with open(path, "rb") as handle:
-            data = handle.read()
+        fd = os.open(os.path.join(media_folder(hub), name), os.O_RDONLY + os.O_NOFOLLOW)
     except OSError:
         raise PinboxError("E_NOT_FOUND", "no such attachment")
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a link or a FIFO planted under an attachment's name
+            raise PinboxError("E_NOT_FOUND", "no such attachment")
+        data = handle.read()
     kind = {v: k for k, v in MEDIA_TYPES.items()}.get(name.rsplit(".", 1)[1], "application/octet-stream")
     return Response(200, raw=data, content_type=kind)
 
@@ -3073,15 +3113,10 @@ MAX_CONNECTIONS = 512
 
 
 def host_is_loopback(value):
-    """The host part of a Host or Origin value names this machine's loopback."""
-    from urllib.parse import urlsplit
-    if not value:
-        return False
-    try:
-        host = urlsplit(value if "//" in value else "//" + value).hostname
-    except ValueError:
-        return False
-    return host in ("127.0.0.1", "localhost", "::1")
+    """A Host or Origin value that names this machine's loopback and nothing more: no
+    user part, no path, only a numeric port ("evil@localhost" is not local)."""
+    import re
+    return re.fullmatch(r"(?i)(https?://)?(127\.0\.0\.1|localhost|\[::1\])(:[0-9]{1,5})?", value or "") is not None
 
 
 class Hub:
@@ -3195,6 +3230,7 @@ def make_handler(hub, activity):
     """The HTTP handler class: the security checks, body limits and CORS every request
     passes, then the router; /stream and /ws are served here (they stay open)."""
     import http.server
+    import re
     from urllib.parse import urlsplit, parse_qsl
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -3237,12 +3273,24 @@ def make_handler(hub, activity):
             self.send(Response(status, error=err) if err else Response(status, raw=b""))
             self.close_connection = True
 
+        def send_error(self, code, message=None, explain=None):
+            # http.server answers an unknown method 501 and a newer HTTP version 505:
+            # both are the client's mistake, not the hub's.
+            super().send_error({501: 405, 505: 400}.get(code, code), message, explain)
+
         def handle_one(self, method):
             activity.touch()
-            split = urlsplit(self.path)
+            self.cors = []
+            try:
+                split = urlsplit(self.path)
+            except ValueError:  # "http://[/pins": an absolute-form target with a broken host
+                return self.refuse(400, invalid("the request target is not a valid URL"))
             path = split.path.rstrip("/") or "/"
             query = dict(parse_qsl(split.query, keep_blank_values=True))
-            self.cors = []
+            # Two of a header that decides who may ask are refused: which one wins would
+            # depend on the parser (RFC 9112 asks for a 400 on two Hosts).
+            if any(len(self.headers.get_all(name) or ()) > 1 for name in ("Host", "Origin", "Authorization")):
+                return self.refuse(400, invalid("repeated Host, Origin or Authorization header"))
             # A page on another site, or a name that only rebinds to 127.0.0.1, gets nothing.
             if not host_is_loopback(self.headers.get("Host")):
                 return self.refuse(403, PinboxError("E_FORBIDDEN", "Host must name the loopback"))
@@ -3289,13 +3337,12 @@ def make_handler(hub, activity):
             if self.headers.get("Transfer-Encoding"):
                 self.refuse(411, invalid("send a Content-Length (chunked bodies are not accepted)"))
                 return None
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-            except ValueError:
-                length = -1
-            if length < 0:
-                self.refuse(400, invalid("Content-Length is not a number"))
+            lengths = {value.strip() for value in self.headers.get_all("Content-Length") or ["0"]}
+            length = lengths.pop()
+            if lengths or not re.fullmatch(r"[0-9]{1,16}", length):  # "+2", "1_0" and two values are not lengths
+                self.refuse(400, invalid("Content-Length is not one plain number"))
                 return None
+            length = int(length)
             limit = ATTACHMENT_LIMIT if path == "/attachments" else JSON_BODY_LIMIT
             if length > limit:
                 err = (PinboxError("E_ATTACHMENT", "attachment exceeds %d bytes" % ATTACHMENT_LIMIT,
@@ -3625,11 +3672,7 @@ def write_private(path, text):
     folder = os.path.dirname(path)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     os.chmod(folder, 0o700)
-    tmp = "%s.tmp-%d" % (path, os.getpid())
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # novermin (flags, not a type union)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
+    replace_file(path, text, 0o600)
 
 
 def project_token(token_path):
@@ -3739,6 +3782,12 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
                 self.active += 1
             super().process_request(request, client_address)
 
+        def handle_error(self, request, client_address):
+            import socket
+            if isinstance(sys.exc_info()[1], (ConnectionError, socket.timeout)):
+                return  # the client went away mid-request: nothing worth a log line
+            super().handle_error(request, client_address)
+
         def process_request_thread(self, request, client_address):
             try:
                 super().process_request_thread(request, client_address)
@@ -3756,8 +3805,7 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
     write_private(port_path, "%d\n" % bound)
     write_private(hub_json, json.dumps({"pid": os.getpid(), "port": bound, "token": token, "version": VERSION},
                                        indent=2) + "\n")
-    with open(server_json, "w") as handle:
-        handle.write(json.dumps({"port": bound}, indent=2) + "\n")
+    write_file_atomic(server_json, json.dumps({"port": bound}, indent=2) + "\n")
     stop = threading.Event()
 
     def stop_serving():
@@ -3837,7 +3885,7 @@ def ensure_hub(root, quick=False):
         try:
             os.setsid()
             null = os.open(os.devnull, os.O_RDONLY)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND  # novermin (flags, not a type union)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW  # novermin (flags, not a type union)
             log = os.open(os.path.join(directory, "hub.log"), flags, 0o600)
             os.dup2(null, 0)
             os.dup2(log, 1)
@@ -4081,14 +4129,12 @@ class Plan:
 
 
 def write_file_atomic(path, text):
+    """A user's config file, replaced whole; it keeps its mode."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else None
-    tmp = "%s.pinbox-%d" % (path, os.getpid())
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
+    replace_file(path, text, 0o666 if mode is None else mode)  # a new one gets the umask's mode
     if mode is not None:
-        os.chmod(tmp, mode)
-    os.replace(tmp, path)
+        os.chmod(path, mode)
 
 
 def read_text(path):
