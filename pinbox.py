@@ -1773,22 +1773,27 @@ def parked_sessions(store):
     return parked
 
 
-class Parked:
-    """A reader parked on an inbox: a FIFO named after the session and this process, open
-    both ways (so select() sleeps until a poster writes to it)."""
+def wait_readable(fd, seconds):
+    """Whether `fd` turns readable (or hung up) within `seconds`. poll(), not select():
+    a hub with hundreds of clients holds descriptors past select()'s limit of 1024."""
+    import select
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0.0, seconds) * 1000))
 
-    def __init__(self, store, session_id):
-        import threading
-        folder = wait_folder(store)
+
+class Parked:
+    """A reader parked on an inbox: a FIFO named after the session, this process and
+    this wait, open both ways (so a poll sleeps until a poster writes to it)."""
+
+    def __init__(self, folder, session_id):
         os.makedirs(folder, exist_ok=True)
-        self.path = os.path.join(folder, "%s.%d.%d" % (session_id, os.getpid(), threading.get_ident() % 100000))
+        self.path = os.path.join(folder, "%s.%d.%s" % (session_id, os.getpid(), os.urandom(5).hex()))
         os.mkfifo(self.path, 0o600)
         self.fd = os.open(self.path, os.O_RDWR + os.O_NONBLOCK)
 
     def sleep(self, seconds):
-        import select
-        readable, _, _ = select.select([self.fd], [], [], max(0.0, seconds))
-        if readable:
+        if wait_readable(self.fd, seconds):
             try:
                 os.read(self.fd, 4096)
             except OSError:
@@ -1802,20 +1807,24 @@ class Parked:
             pass
 
 
-def wait_for_mail(store, session, timeout, cancelled=None):
+def wait_for_mail(borrow, session, timeout, cancelled=None):
     """Blocks until the session has unseen mail. Returns "mail", "timeout", "gone" (the
-    session no longer exists) or "cut" (the store went away, or `cancelled` was set)."""
+    session no longer exists) or "cut" (the store went away, or `cancelled` was set).
+    `borrow()` lends a store for each look: the hub's hundreds of parked readers hold
+    no connection (and no file descriptors) while they sleep."""
     deadline = time.monotonic() + timeout
-    parked = Parked(store, session["id"])
+    with borrow() as store:
+        parked = Parked(wait_folder(store), session["id"])
     try:
         while True:
-            if not os.path.exists(store.path) or (cancelled is not None and cancelled.is_set()):
-                return "cut"
-            with store.guard():
-                if get_session(store.conn, session["id"]) is None:
-                    return "gone"
-                if inbox_counts(store.conn, session["id"])[1]:
-                    return "mail"
+            with borrow() as store:
+                if not os.path.exists(store.path) or (cancelled is not None and cancelled.is_set()):
+                    return "cut"
+                with store.guard():
+                    if get_session(store.conn, session["id"]) is None:
+                        return "gone"
+                    if inbox_counts(store.conn, session["id"])[1]:
+                        return "mail"
             left = deadline - time.monotonic()
             if left <= 0:
                 return "timeout"
@@ -2195,15 +2204,16 @@ def r_inbox_read(hub, request, session_id):
         with store.guard():
             session = _session_or_404(store.conn, session_id)
         caller = hub.caller_session(store, request)
-        timed_out = False
-        if wait:
-            outcome = wait_for_mail(store, session, wait / 1000.0, hub.stopping)
-            if outcome == "gone":
-                raise PinboxError("E_NOT_FOUND", "session not found: %s" % session_id)
-            if outcome == "cut":
-                raise PinboxError("E_HUB_UNREACHABLE", "the wait was cut short: the hub is stopping",
-                                  "wait again once the hub is back")
-            timed_out = outcome == "timeout"
+    timed_out = False
+    if wait:
+        outcome = wait_for_mail(hub.store, session, wait / 1000.0, hub.stopping)
+        if outcome == "gone":
+            raise PinboxError("E_NOT_FOUND", "session not found: %s" % session_id)
+        if outcome == "cut":
+            raise PinboxError("E_HUB_UNREACHABLE", "the wait was cut short: the hub is stopping",
+                              "wait again once the hub is back")
+        timed_out = outcome == "timeout"
+    with hub.store() as store:
         messages = read_inbox(store, session, caller)
         with store.guard():
             pending, unseen, _ = inbox_counts(store.conn, session["id"])
@@ -3124,9 +3134,21 @@ class Hub:
     that wakes open streams when an event is appended (by this process or any other)."""
 
     def __init__(self, root, directory, token):
+        import collections
         import threading
         self.root, self.directory, self.token = root, directory, token
         self.cond = threading.Condition()
+        # The latest events, read once for every open page: with hundreds of streams a
+        # write costs one query, not one per stream. It holds every event after tail_from.
+        self.tail = collections.deque(maxlen=1000)
+        self.tail_from = None
+        self._reading = threading.Lock()
+        # Streams that have caught up: new events are written to them here, once per
+        # event, instead of waking a thread per page (hundreds of wake-ups per write
+        # would starve every other request of the interpreter).
+        self.listeners = set()
+        self._heard = time.monotonic()
+        self._poke = threading.Event()
         self.last_seq = 0
         self.streams = 0
         self.toolbars = 0
@@ -3166,34 +3188,102 @@ class Hub:
         return session["id"] if session else None
 
     def changed(self):
-        """Wakes every open stream to look for new events."""
+        """Something was written: the watcher reads the new events now (one read for a
+        burst of writes, none in the writer's request), and every waiter wakes."""
+        self._poke.set()
         with self.cond:
             self.cond.notify_all()
 
-    def watch(self, stop):
-        """Other processes (the CLI, hooks, git) write the store too: look for new events
-        every 50 ms and wake the streams when there are."""
-        while not stop.wait(0.05):
+    def read_tail(self):
+        """Appends the events written since the last look to the tail; whether there were."""
+        with self._reading:
             try:
                 with self.store() as store:
                     seq = store.conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0]
+                    fresh = events_after(store, self.last_seq, 1000) if seq > self.last_seq else []
             except (PinboxError, sqlite3.Error):
-                continue
-            if seq != self.last_seq:
-                self.last_seq = seq
-                self.changed()
+                return False
+            with self.cond:
+                if self.tail_from is None or seq < self.last_seq:  # the start, or a store replaced
+                    self.tail.clear()
+                    self.tail_from = self.last_seq = seq
+                    return False
+                if fresh:
+                    self.tail.extend(fresh)
+                    self.last_seq = fresh[-1]["seq"]
+                    if len(self.tail) == self.tail.maxlen:
+                        self.tail_from = self.tail[0]["seq"] - 1
+                    self.broadcast(b"".join(sse_frame(event) for event in fresh))
+            return bool(fresh)
+
+    def listen(self, sock, after):
+        """Hands a stream that has sent everything up to `after` to the broadcast;
+        False when more has landed meanwhile (the stream sends that first)."""
+        with self.cond:
+            if self.tail_from is None or after < self.last_seq:
+                return False
+            self.listeners.add(sock)
+            return True
+
+    def broadcast(self, data):
+        """Writes to every listening stream without waiting: a page that cannot take a
+        few bytes into an empty socket buffer is gone, and is hung up on."""
+        import socket
+        self._heard = time.monotonic()
+        for sock in list(self.listeners):
+            try:
+                if sock.send(data, socket.MSG_DONTWAIT) == len(data):
+                    continue
+            except OSError:
+                pass
+            self.hang_up(sock)
+
+    def hang_up(self, sock):
+        """Ends a stream: its thread, blocked reading the socket, sees the end and exits."""
+        import socket
+        self.listeners.discard(sock)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def watch(self, stop):
+        """Reads new events into the tail when poked by a write here, and every 50 ms
+        for the writes of other processes (the CLI, hooks, git); wakes the waiters."""
+        while not stop.is_set():
+            self._poke.wait(0.05)
+            self._poke.clear()
+            if self.read_tail():
+                with self.cond:
+                    self.cond.notify_all()
+            elif time.monotonic() - self._heard > 15:  # proxies and browsers drop silent streams
+                with self.cond:
+                    self.broadcast(b": keepalive\n\n")
+        with self.cond:
+            for sock in list(self.listeners):
+                self.hang_up(sock)
 
     def wait_for_events(self, after, timeout):
         """Events after `after`, waiting up to `timeout` seconds for one to appear."""
         deadline = time.monotonic() + timeout
         while True:
-            with self.store() as store:
-                events = events_after(store, after, 200)
-            if events:
-                return events
             left = deadline - time.monotonic()
-            if left <= 0:
-                return []
+            with self.cond:
+                if self.tail_from is not None and after >= self.tail_from:
+                    events = []
+                    for event in reversed(self.tail):  # from the newest: a page is seldom far behind
+                        if event["seq"] <= after:
+                            break
+                        events.append(event)
+                    events = events[::-1][:200]
+                    if events or left <= 0:
+                        return events
+                    self.cond.wait(min(left, 1.0))
+                    continue
+            with self.store() as store:  # further back than the tail: a page catching up
+                events = events_after(store, after, 200)
+            if events or left <= 0:
+                return events
             with self.cond:
                 self.cond.wait(min(left, 1.0))
 
@@ -3377,33 +3467,29 @@ def serve_stream(handler, hub, query):
     handler.close_connection = True
     handler.connection.settimeout(None)
     hub.count("streams", 1)
-    quiet_since = time.monotonic()
+    sock = handler.connection
     try:
-        while not hub.stopping.is_set() and not peer_closed(handler.connection):
-            events = hub.wait_for_events(after, 1.0)
-            for event in events:
-                handler.wfile.write(("id: %d\ndata: %s\n\n" % (event["seq"], dumps_compact(event))).encode("utf-8"))
-                after = event["seq"]
-            if events or time.monotonic() - quiet_since > 15:
-                if not events:
-                    handler.wfile.write(b": keepalive\n\n")
+        # Catching up is this thread's work; once caught up, the hub's broadcast writes.
+        while not hub.stopping.is_set():
+            events = hub.wait_for_events(after, 0)
+            if events:
+                handler.wfile.write(b"".join(sse_frame(event) for event in events))
                 handler.wfile.flush()
-                quiet_since = time.monotonic()
+                after = events[-1]["seq"]
+            elif hub.listen(sock, after):
+                while sock.recv(4096):  # a stream's client sends nothing more: this waits for its end
+                    pass
+                break
     except (OSError, ValueError):
         pass  # the page went away
     finally:
+        with hub.cond:
+            hub.listeners.discard(sock)
         hub.count("streams", -1)
 
 
-def peer_closed(sock):
-    """Whether the client hung up (a stream's client never sends after its request)."""
-    import select
-    import socket
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
-    except (OSError, ValueError):
-        return True
+def sse_frame(event):
+    return ("id: %d\ndata: %s\n\n" % (event["seq"], dumps_compact(event))).encode("utf-8")
 
 
 class WebSocket:
@@ -3750,6 +3836,7 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
     store.close()
     token = project_token(token_path)
     hub = Hub(root, directory, token)
+    hub.read_tail()  # where the tail starts: a stream can be handed to the broadcast at once
     hub.stopping = threading.Event()
     activity = Activity()
     wanted = port
@@ -4938,13 +5025,14 @@ def cmd_agent_inbox(ctx):
     else:
         session = me
     if args.wait:
+        import contextlib
         import signal
         import threading
         cancelled = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: cancelled.set())
         timeout_ms = args.timeout if args.timeout is not None else 600000
-        outcome = wait_for_mail(store, session, timeout_ms / 1000.0, cancelled)
+        outcome = wait_for_mail(lambda: contextlib.nullcontext(store), session, timeout_ms / 1000.0, cancelled)
         if outcome == "gone":
             raise PinboxError("E_NOT_FOUND", "session %s no longer exists" % session["id"],
                               "run `pinbox agent ls` to see sessions", exit_code=3)
