@@ -4809,11 +4809,10 @@ def test_classes():
             and unittest.defaultTestLoader.getTestCaseNames(value)]
 
 
-def run_in_parallel(workers):
-    """The classes dealt out to `workers` processes (this machine has two cores), each
-    worker's output printed whole when it ends."""
-    classes = test_classes()
-    buckets = [classes[i::workers] for i in range(workers)]
+def run_in_parallel(names, workers):
+    """The tests (classes, or Class.method names) dealt out to `workers` processes (this
+    machine has two cores), each worker's output printed whole when it ends."""
+    buckets = [bucket for bucket in (names[i::workers] for i in range(workers)) if bucket]
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"] + bucket,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for bucket in buckets]
     totals = [0, 0, 0]
@@ -4835,10 +4834,9 @@ def main():
     args = sys.argv[1:]
     if args[:1] == ["--worker"]:
         passed, failed, skipped = run_tests(args[1:])
-    elif args:
-        passed, failed, skipped = run_tests(args)
     else:
-        passed, failed, skipped = run_in_parallel(int(os.environ.get("PINBOX_TEST_WORKERS", "2")))
+        passed, failed, skipped = run_in_parallel(args or test_classes(),
+                                                  int(os.environ.get("PINBOX_TEST_WORKERS", "2")))
     print("suite took %.1f s" % (time.time() - started))
     print("%d passed, %d failed, %d skipped" % (passed, failed, skipped))
     sys.exit(1 if failed else 0)
