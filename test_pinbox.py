@@ -929,6 +929,8 @@ class TestKills(HubCase):
         done = {"pin": set(), "reply": set(), "resolve": set()}
         kills = {}
         env = dict(self.env, PINBOX_MAX_SESSIONS="100")
+        for i in range(4):  # the workers' start barrier counts sessions: a worker killed early must not hold it
+            self.ok("session", "register", "--agent", "claude", "--key", "load-%d" % i, "--cwd", self.repo)
         for round_number in range(rounds):
             procs = [subprocess.Popen([sys.executable, "-c", LOAD_WORKER, HERE, str(i), "0.6",
                                        str(seed + round_number), "4"], cwd=self.repo, env=env,
