@@ -153,7 +153,9 @@ UTF8_HINT = "pinbox stores text as UTF-8; convert it first (for example with ico
 def check_arguments(argv):
     """Undecodable bytes in an argument arrive as lone surrogates, which no id, flag or
     SQLite value can hold: refused here, once, for every verb."""
-    for arg in argv:
+    for before, arg in zip([None] + argv, argv):
+        if before == "--project":
+            continue  # a folder, never stored: a project may live at any path
         try:
             arg.encode("utf-8")
         except UnicodeEncodeError:
@@ -849,7 +851,7 @@ def seen_now(conn):
     latest = conn.execute("SELECT MAX(last_seen_at) FROM sessions").fetchone()[0]
     if latest is None or latest < now:
         return now
-    return iso_time(parse_iso(latest) + 0.001)
+    return iso_time(parse_iso(latest) + 0.0015)  # the next millisecond, whatever the float rounding
 
 
 def upsert_session(conn, agent, key, cwd=None):
@@ -899,7 +901,8 @@ def forget_session(conn, session):
     # What waited for it waits again; its pins' binding brings it back to the same
     # (agent, key) once that registers again.
     conn.execute("UPDATE deliveries SET session_id = NULL, adapter = 'none', due_at = NULL, lease_owner = NULL, "
-                 "lease_until = NULL WHERE session_id = ? AND status = 'pending'", (session["id"],))
+                 "lease_until = NULL, updated_at = ? WHERE session_id = ? AND status = 'pending'",
+                 (iso_time(), session["id"]))
 
 
 def list_sessions(store):
@@ -1019,21 +1022,17 @@ def first_adapter(session, after=None):
     for adapter in order:
         if adapter_matches(adapter, session):
             if adapter == "hooks":
-                return adapter, "pending", iso_time(time.time() + escalate_after())
+                escalate = env_number("PINBOX_HOOKS_ESCALATE_MS", 600000) / 1000.0
+                return adapter, "pending", iso_time(time.time() + escalate)
             return adapter, "pending", iso_time()
     return "none", "pending", iso_time()
 
 
-def escalate_after():
-    return env_number("PINBOX_HOOKS_ESCALATE_MS", 600000) / 1000.0
-
-
-def clock_horizon(now):
-    """The furthest time pinbox schedules a row for (an escalation, a retry, a lease),
-    seen from `now`. A due time or lease beyond it was written before the clock stepped
-    back: it counts as due, or expired, rather than waiting out the step."""
-    ahead = max(escalate_after(), 900.0, resume_timeout() + 30, max(ADAPTER_TIMEOUT_S.values()) + 30)
-    return iso_time(now + ahead + 60)
+def clock_stepped_back(now):
+    """A row last written after `now` (and by more than clocks of one machine disagree)
+    was written before the clock stepped back: its due time or lease counts as due or
+    expired, rather than waiting out the step."""
+    return iso_time(now + 5)
 
 
 def insert_delivery(conn, seq, session_id, adapter, status, due_at=None):
@@ -1068,8 +1067,8 @@ def pending_pulls(conn, session_id):
     return conn.execute(
         "SELECT d.id, e.seq, e.type, e.payload FROM deliveries d JOIN events e ON e.seq = d.event_seq "
         "WHERE d.session_id = ? AND d.status = 'pending' "
-        "AND (d.lease_until IS NULL OR d.lease_until < ? OR d.lease_until > ?) ORDER BY d.id",
-        (session_id, iso_time(), clock_horizon(time.time()))).fetchall()
+        "AND (d.lease_until IS NULL OR d.lease_until < ? OR d.updated_at > ?) ORDER BY d.id",
+        (session_id, iso_time(), clock_stepped_back(time.time()))).fetchall()
 
 
 def mark_delivered(conn, row_ids):
@@ -1334,7 +1333,8 @@ def run_agent_command(argv, cwd, timeout):
         RUNNING_PUSHES.discard(proc)
 
 
-HUB_SECRETS = ("PINBOX_WEBHOOK_SECRET", "PINBOX_WEBHOOK_URL")
+# Not for a resumed agent: the hub's secrets, and the session of whoever started the hub.
+HUB_SECRETS = ("PINBOX_WEBHOOK_SECRET", "PINBOX_WEBHOOK_URL", "PINBOX_SESSION")
 RUNNING_PUSHES = set()  # agent processes a push is waiting on, ended with the hub
 HUB_STOPPING = []  # non-empty once the hub ends its pushes: their outcome is not a verdict
 
@@ -1392,6 +1392,9 @@ def push_resume(event, session, pin):
     """Wakes an ended session under its own key, in its recorded folder — never a fresh
     session passed off as the old one."""
     binary = _which(RESUME_BINARIES.get(session["agent"], ""))
+    if session["key"].startswith("-"):  # stored before keys were checked: it would read as an option
+        raise PushFailed("E_SESSION_GONE: session key %s cannot be passed to %s" % (session["key"], session["agent"]),
+                         final=True)
     if binary is None or not session.get("cwd") or not os.path.isdir(session["cwd"]):
         raise PushFailed("E_SESSION_GONE: cannot resume %s session %s (no binary on PATH or no recorded folder)"
                          % (session["agent"], session["key"]), final=True)
@@ -1441,10 +1444,10 @@ def claim_due(store, owner, limit=32):
     claimed = []
     due = ("SELECT d.id, d.adapter, d.attempts, d.session_id, e.seq, e.type, e.at, e.payload FROM deliveries d "
            "JOIN events e ON e.seq = d.event_seq WHERE d.status = 'pending' AND d.session_id IS NOT NULL "
-           "AND d.due_at IS NOT NULL AND (d.due_at <= :now OR d.due_at > :far) "
-           "AND (d.lease_until IS NULL OR d.lease_until < :now OR d.lease_until > :far) "
+           "AND d.due_at IS NOT NULL AND (d.due_at <= :now OR d.updated_at > :stepped) "
+           "AND (d.lease_until IS NULL OR d.lease_until < :now OR d.updated_at > :stepped) "
            "ORDER BY d.due_at, d.id LIMIT :limit")
-    when = {"now": iso_time(now), "far": clock_horizon(now)}
+    when = {"now": iso_time(now), "stepped": clock_stepped_back(now)}
     with store.guard():
         if not store.conn.execute(due, dict(when, limit=1)).fetchone():
             return claimed  # nothing due: no write lock taken from the writers
@@ -1728,17 +1731,23 @@ def inbox_summary(store):
 
 
 def wait_folder(store):
-    return os.path.join(store.directory, "inbox-wait")
+    """.pinbox/inbox-wait; a symlink there (a cloned repo can ship one) is refused, so no
+    FIFO is made, written or removed anywhere else."""
+    folder = os.path.join(store.directory, "inbox-wait")
+    if os.path.islink(folder):
+        raise PinboxError("E_FORBIDDEN", "%s is a symlink; pinbox parks readers only in a real folder" % folder,
+                          "remove the link; pinbox makes the folder again")
+    return folder
 
 
 def wake_waiters(store, session_id=None):
     """A byte into the FIFO of each reader parked on this inbox (on every inbox, when
     no session is named)."""
     import stat
-    folder = wait_folder(store)
     try:
+        folder = wait_folder(store)
         names = [n for n in os.listdir(folder) if session_id is None or n.startswith(session_id + ".")]
-    except OSError:
+    except (OSError, PinboxError):
         return
     for name in names:
         path = os.path.join(folder, name)
@@ -1746,7 +1755,8 @@ def wake_waiters(store, session_id=None):
             fd = os.open(path, os.O_WRONLY + os.O_NONBLOCK + os.O_NOFOLLOW)
         except OSError:
             try:
-                os.unlink(path)  # nobody reads it any more
+                if stat.S_ISFIFO(os.lstat(path).st_mode):
+                    os.unlink(path)  # nobody reads it any more
             except OSError:
                 pass
             continue
@@ -1760,10 +1770,9 @@ def wake_waiters(store, session_id=None):
 
 
 def parked_sessions(store):
-    folder = wait_folder(store)
     try:
-        names = os.listdir(folder)
-    except OSError:
+        names = os.listdir(wait_folder(store))
+    except (OSError, PinboxError):
         return set()
     parked = set()
     for name in names:
@@ -2134,7 +2143,7 @@ def r_media(hub, request, name):
     if not re.fullmatch(r"att_[a-z0-9]{10}\.[a-z]{3,4}", name):
         raise PinboxError("E_NOT_FOUND", "no such attachment")
     try:
-        fd = os.open(os.path.join(media_folder(hub), name), os.O_RDONLY + os.O_NOFOLLOW)
+        fd = os.open(os.path.join(media_folder(hub), name), os.O_RDONLY + os.O_NOFOLLOW + os.O_NONBLOCK)
     except OSError:
         raise PinboxError("E_NOT_FOUND", "no such attachment")
     with os.fdopen(fd, "rb") as handle:
@@ -3143,10 +3152,11 @@ class Hub:
         self.tail = collections.deque(maxlen=1000)
         self.tail_from = None
         self._reading = threading.Lock()
-        # Streams that have caught up: new events are written to them here, once per
-        # event, instead of waking a thread per page (hundreds of wake-ups per write
-        # would starve every other request of the interpreter).
-        self.listeners = set()
+        # Streams that have caught up (socket -> the last seq it was sent): new events
+        # are written to them here, instead of waking a thread per page (hundreds of
+        # wake-ups per write would starve every other request of the interpreter).
+        self.listeners = {}
+        self.stopping = threading.Event()
         self._heard = time.monotonic()
         self._poke = threading.Event()
         self.last_seq = 0
@@ -3213,35 +3223,38 @@ class Hub:
                     self.last_seq = fresh[-1]["seq"]
                     if len(self.tail) == self.tail.maxlen:
                         self.tail_from = self.tail[0]["seq"] - 1
-                    self.broadcast(b"".join(sse_frame(event) for event in fresh))
+                    frames = [(event["seq"], sse_frame(event)) for event in fresh]
+                    for sock, sent in list(self.listeners.items()):
+                        # A stream that caught up from the store may be ahead of the tail.
+                        self.send_to(sock, b"".join(frame for seq, frame in frames if seq > sent), frames[-1][0])
             return bool(fresh)
 
     def listen(self, sock, after):
         """Hands a stream that has sent everything up to `after` to the broadcast;
         False when more has landed meanwhile (the stream sends that first)."""
         with self.cond:
-            if self.tail_from is None or after < self.last_seq:
+            if self.tail_from is None or after < self.last_seq or self.stopping.is_set():
                 return False
-            self.listeners.add(sock)
+            self.listeners[sock] = after
             return True
 
-    def broadcast(self, data):
-        """Writes to every listening stream without waiting: a page that cannot take a
-        few bytes into an empty socket buffer is gone, and is hung up on."""
+    def send_to(self, sock, data, seq):
+        """Writes without waiting: a page that cannot take a few bytes into its socket
+        buffer is gone, and is hung up on."""
         import socket
         self._heard = time.monotonic()
-        for sock in list(self.listeners):
-            try:
-                if sock.send(data, socket.MSG_DONTWAIT) == len(data):
-                    continue
-            except OSError:
-                pass
-            self.hang_up(sock)
+        try:
+            if not data or sock.send(data, socket.MSG_DONTWAIT) == len(data):
+                self.listeners[sock] = max(seq, self.listeners[sock])
+                return
+        except OSError:
+            pass
+        self.hang_up(sock)
 
     def hang_up(self, sock):
         """Ends a stream: its thread, blocked reading the socket, sees the end and exits."""
         import socket
-        self.listeners.discard(sock)
+        self.listeners.pop(sock, None)
         try:
             sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -3253,12 +3266,17 @@ class Hub:
         while not stop.is_set():
             self._poke.wait(0.05)
             self._poke.clear()
-            if self.read_tail():
+            try:
+                fresh = self.read_tail()
+            except Exception:  # noqa: BLE001 — this thread must outlive any one bad row
+                fresh = False
+            if fresh:
                 with self.cond:
                     self.cond.notify_all()
             elif time.monotonic() - self._heard > 15:  # proxies and browsers drop silent streams
                 with self.cond:
-                    self.broadcast(b": keepalive\n\n")
+                    for sock in list(self.listeners):
+                        self.send_to(sock, b": keepalive\n\n", 0)
         with self.cond:
             for sock in list(self.listeners):
                 self.hang_up(sock)
@@ -3470,21 +3488,24 @@ def serve_stream(handler, hub, query):
     sock = handler.connection
     try:
         # Catching up is this thread's work; once caught up, the hub's broadcast writes.
+        wait = 0
         while not hub.stopping.is_set():
-            events = hub.wait_for_events(after, 0)
+            events = hub.wait_for_events(after, wait)
             if events:
                 handler.wfile.write(b"".join(sse_frame(event) for event in events))
                 handler.wfile.flush()
-                after = events[-1]["seq"]
+                after, wait = events[-1]["seq"], 0
             elif hub.listen(sock, after):
                 while sock.recv(4096):  # a stream's client sends nothing more: this waits for its end
                     pass
                 break
+            else:
+                wait = 0.05  # what landed is not in the tail yet: look again shortly
     except (OSError, ValueError):
         pass  # the page went away
     finally:
         with hub.cond:
-            hub.listeners.discard(sock)
+            hub.listeners.pop(sock, None)
         hub.count("streams", -1)
 
 
@@ -3837,7 +3858,6 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
     token = project_token(token_path)
     hub = Hub(root, directory, token)
     hub.read_tail()  # where the tail starts: a stream can be handed to the broadcast at once
-    hub.stopping = threading.Event()
     activity = Activity()
     wanted = port
     if wanted is None:

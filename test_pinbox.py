@@ -972,6 +972,21 @@ class TestKills(HubCase):
 
 
 class TestSessions(HookCase):
+    def test_a_session_seen_now_is_stamped_after_every_other(self):
+        """lastSeenAt never goes backwards, even when the clock does, so "seen last" is
+        never a tie broken by row order."""
+        import random
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        self.addCleanup(store.close)
+        rnd = random.Random(7)
+        for _ in range(2000):
+            ahead = pinbox.iso_time(time.time() + rnd.uniform(1, 86400))  # written before a step back
+            with store.write() as conn:
+                conn.execute("DELETE FROM sessions")
+                pinbox.insert_session(conn, "claude", "older", None)
+                conn.execute("UPDATE sessions SET last_seen_at = ?", (ahead,))
+                self.assertGreater(pinbox.seen_now(conn), ahead)
+
     def test_register_by_flags_refreshes_and_revives(self):
         first = self.ok("session", "register", "--agent", "claude", "--key", "k1", "--cwd", "/tmp/proj")
         self.assertRegex(first["id"], r"^ses_[a-z0-9]{10}$")
@@ -2292,6 +2307,18 @@ class TestCommandLine(PinboxCase):
         self.assertEqual(self.ok("show", pin["id"])["thread"][0]["text"], "kept too")
         self.assertFalse(os.path.exists(os.path.join(self.repo, "pwned")))
 
+    def test_a_project_whose_path_is_not_utf8_gets_its_hub(self):
+        folder = os.path.join(self.tmp.encode(), b"caf\xe9")
+        os.makedirs(os.path.join(folder, b".pinbox"))
+        hub = subprocess.Popen([sys.executable.encode(), SCRIPT.encode(), b"serve", b"--project", folder],
+                               env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            self.assertIn(b"listening at http://127.0.0.1:", hub.stderr.readline())
+        finally:
+            hub.terminate()
+            hub.communicate(timeout=20)
+        self.assertEqual(self.run_pinbox("list", b"caf\xe9".decode("utf-8", "surrogateescape")).code, 2)
+
     def test_parser_errors_are_envelopes_with_the_verbs_hint(self):
         self.assertEqual(self.run_pinbox("doctor", "--fix", "--json").json, {"ok": False, "error": {
             "code": "E_INVALID_INPUT", "message": "unknown option '--fix'", "hint": "run `pinbox doctor --help` for usage"}})
@@ -3601,6 +3628,37 @@ class TestHubLive(HubCase):
         self.assertEqual((event["type"], event["payload"]["id"]), ("pin.created", pin["id"]))
         conn.close()
 
+    def test_streams_opened_while_another_process_writes_see_each_event_once_in_order(self):
+        """A stream catches up from the store, then the hub's broadcast takes over: the
+        hand-over neither drops nor repeats an event, however the two race."""
+        self.stop_hub(self.proc)
+        for i in range(40):  # written before the hub starts: a stream from early on catches up from the store
+            self.pin("before %d" % i)
+        self.start_hub()
+        writer = subprocess.Popen([sys.executable, "-c", BOOT.replace("pinbox.main()", (
+            "import contextlib, io\n"
+            "for i in range(150):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()):\n"
+            "        pinbox.run(['pin', 'during %d' % i, '--json'])"))], cwd=self.repo, env=self.env)
+        self.addCleanup(writer.wait)
+        streams = []
+        for i in range(20):
+            sock = socket.create_connection(("127.0.0.1", self.port), timeout=20)
+            sock.sendall(b"GET /stream?after=%d&token=%s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+                         % (i, self.token.encode()))
+            streams.append((i, sock.makefile("rb"), sock))
+            time.sleep(0.02)
+        self.assertEqual(writer.wait(timeout=60), 0)
+        last = self.sql("SELECT MAX(seq) FROM events")[0][0]
+        for after, reader, sock in streams:
+            seqs = []
+            while not seqs or seqs[-1] < last:
+                line = reader.readline()
+                if line.startswith(b"id: "):
+                    seqs.append(int(line[4:]))
+            self.assertEqual(seqs, list(range(after + 1, last + 1)), after)
+            sock.close()
+
 
 class TestHubLifecycle(HubCase):
     IDLE_MS = "1500"
@@ -4256,6 +4314,8 @@ class TestSecurity(DeliveryCase):
         code, body, _ = self.request("GET", "/media/att_aaaaaaaaaa.txt")
         self.assertNotIn(self.token.encode(), body if isinstance(body, bytes) else json.dumps(body).encode())
         self.assertEqual(code, 404)
+        os.mkfifo(os.path.join(media, "att_bbbbbbbbbb.png"))  # opening it to read would wait for a writer
+        self.assertEqual(self.request("GET", "/media/att_bbbbbbbbbb.png")[0], 404)
 
     def test_symlinks_planted_in_the_store_folder_are_never_written_through(self):
         victims = [os.path.join(self.tmp, "victim%d" % i) for i in (1, 2)]
@@ -4271,6 +4331,17 @@ class TestSecurity(DeliveryCase):
         for path in victims:
             with open(path) as handle:
                 self.assertEqual(handle.read(), "precious\n", path)
+        # The wait folder itself a link: nothing is parked, woken or removed over there.
+        elsewhere = os.path.join(self.tmp, "elsewhere")
+        os.makedirs(elsewhere)
+        os.mkfifo(os.path.join(elsewhere, sid + ".1.abc"))
+        shutil.rmtree(os.path.join(self.repo, ".pinbox", "inbox-wait"))
+        os.symlink(elsewhere, os.path.join(self.repo, ".pinbox", "inbox-wait"))
+        error = self.fails("E_FORBIDDEN", 12, "agent", "inbox", "--session", sid, "--wait", "--timeout", "100")
+        self.assertIn("is a symlink", error["message"])
+        self.ok("agent", "post", sid, "again")
+        self.stop_hub(self.proc)  # a stopping hub wakes every parked reader
+        self.assertEqual(os.listdir(elsewhere), [sid + ".1.abc"])
 
     # --- 4. secrets --------------------------------------------------------------------
 
