@@ -3264,7 +3264,8 @@ class Hub:
         """Reads new events into the tail when poked by a write here, and every 50 ms
         for the writes of other processes (the CLI, hooks, git); wakes the waiters."""
         while not stop.is_set():
-            self._poke.wait(0.05)
+            if self._poke.wait(0.05):
+                stop.wait(0.005)  # the rest of a burst of writes is read with it
             self._poke.clear()
             try:
                 fresh = self.read_tail()
@@ -3326,7 +3327,7 @@ class _Borrowed:
         if self.store.conn is not None and self.store.conn.in_transaction:
             self.store.conn.execute("ROLLBACK")
         with self.hub._lock:
-            keep = len(self.hub._pool) < 8  # a burst of requests leaves no pile of open connections
+            keep = len(self.hub._pool) < 16  # a burst of requests leaves no pile of open connections
             if keep:
                 self.hub._pool.append(self.store)
         if not keep:
