@@ -3198,26 +3198,31 @@ class Hub:
         return session["id"] if session else None
 
     def changed(self):
-        """Something was written: the watcher reads the new events now (one read for a
-        burst of writes, none in the writer's request), and every waiter wakes."""
-        self._poke.set()
+        """Something was written: with a page open, the watcher reads the new events
+        now (one read for a burst of writes, none in the writer's request); every waiter
+        wakes."""
+        if self.streams or self.toolbars:
+            self._poke.set()
         with self.cond:
             self.cond.notify_all()
 
     def read_tail(self):
         """Appends the events written since the last look to the tail; whether there were."""
         with self._reading:
+            watched = self.streams or self.toolbars
             try:
                 with self.store() as store:
                     seq = store.conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0]
-                    fresh = events_after(store, self.last_seq, 1000) if seq > self.last_seq else []
+                    fresh = events_after(store, self.last_seq, 1000) if watched and seq > self.last_seq else []
             except (PinboxError, sqlite3.Error):
                 return False
             with self.cond:
-                if self.tail_from is None or seq < self.last_seq:  # the start, or a store replaced
+                if self.tail_from is None or seq < self.last_seq or not watched:
+                    # The start, a store replaced, or no page open: the tail starts afresh here.
+                    moved = seq != self.last_seq
                     self.tail.clear()
                     self.tail_from = self.last_seq = seq
-                    return False
+                    return moved
                 if fresh:
                     self.tail.extend(fresh)
                     self.last_seq = fresh[-1]["seq"]
