@@ -147,6 +147,15 @@ def replace_file(path, text, mode):
     os.replace(tmp, path)
 
 
+def real_folder(path):
+    """`path`, a folder under .pinbox/ that pinbox writes into; refused when it is a
+    symlink (a cloned repo can ship one), so nothing is made, read or removed elsewhere."""
+    if os.path.islink(path):
+        raise PinboxError("E_FORBIDDEN", "%s is a symlink; pinbox keeps its files in a real folder" % path,
+                          "remove the link; pinbox makes the folder again")
+    return path
+
+
 UTF8_HINT = "pinbox stores text as UTF-8; convert it first (for example with iconv -t UTF-8)"
 
 
@@ -1731,13 +1740,7 @@ def inbox_summary(store):
 
 
 def wait_folder(store):
-    """.pinbox/inbox-wait; a symlink there (a cloned repo can ship one) is refused, so no
-    FIFO is made, written or removed anywhere else."""
-    folder = os.path.join(store.directory, "inbox-wait")
-    if os.path.islink(folder):
-        raise PinboxError("E_FORBIDDEN", "%s is a symlink; pinbox parks readers only in a real folder" % folder,
-                          "remove the link; pinbox makes the folder again")
-    return folder
+    return real_folder(os.path.join(store.directory, "inbox-wait"))
 
 
 def wake_waiters(store, session_id=None):
@@ -1782,15 +1785,6 @@ def parked_sessions(store):
     return parked
 
 
-def wait_readable(fd, seconds):
-    """Whether `fd` turns readable (or hung up) within `seconds`. poll(), not select():
-    a hub with hundreds of clients holds descriptors past select()'s limit of 1024."""
-    import select
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(max(0.0, seconds) * 1000))
-
-
 class Parked:
     """A reader parked on an inbox: a FIFO named after the session, this process and
     this wait, open both ways (so a poll sleeps until a poster writes to it)."""
@@ -1802,7 +1796,12 @@ class Parked:
         self.fd = os.open(self.path, os.O_RDWR + os.O_NONBLOCK)
 
     def sleep(self, seconds):
-        if wait_readable(self.fd, seconds):
+        import select
+        # poll(), not select(): a hub with hundreds of parked readers holds descriptors
+        # past select()'s limit of 1024.
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        if poller.poll(max(0.0, seconds) * 1000):
             try:
                 os.read(self.fd, 4096)
             except OSError:
@@ -2118,7 +2117,7 @@ def r_attachment(hub, request):
     attachment_id = new_id("att")
     # The name is the server's own: nothing the page sends reaches the file system.
     name = "%s.%s" % (attachment_id, MEDIA_TYPES.get(essence, "bin"))
-    folder = media_folder(hub)
+    folder = real_folder(os.path.join(hub.directory, "media"))
     os.makedirs(folder, mode=0o700, exist_ok=True)
     path = os.path.join(folder, name)
     with os.fdopen(os.open(path, os.O_WRONLY + os.O_CREAT + os.O_EXCL, 0o600), "wb") as handle:
@@ -2127,23 +2126,14 @@ def r_attachment(hub, request):
     return Response(201, {"attachment": attachment})
 
 
-def media_folder(hub):
-    """.pinbox/media, unless it is a symlink (a cloned repo can ship one): attachments
-    are written and served from that folder and nowhere else."""
-    folder = os.path.join(hub.directory, "media")
-    if os.path.islink(folder):
-        raise PinboxError("E_FORBIDDEN", "%s is a symlink; attachments stay in a real folder" % folder,
-                          "remove the link; pinbox makes the folder again")
-    return folder
-
-
 def r_media(hub, request, name):
     import re
     import stat
     if not re.fullmatch(r"att_[a-z0-9]{10}\.[a-z]{3,4}", name):
         raise PinboxError("E_NOT_FOUND", "no such attachment")
     try:
-        fd = os.open(os.path.join(media_folder(hub), name), os.O_RDONLY + os.O_NOFOLLOW + os.O_NONBLOCK)
+        fd = os.open(os.path.join(real_folder(os.path.join(hub.directory, "media")), name),
+                     os.O_RDONLY + os.O_NOFOLLOW + os.O_NONBLOCK)
     except OSError:
         raise PinboxError("E_NOT_FOUND", "no such attachment")
     with os.fdopen(fd, "rb") as handle:
