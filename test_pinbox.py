@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import unittest
+import unittest.mock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "pinbox.py")
@@ -4350,7 +4351,7 @@ class TestSecurity(DeliveryCase):
         self.agent_env = os.path.join(self.tmp, "claude.env.json")
         log = self.fake_binary("claude", "json.dump(dict(os.environ), open(%r, 'w'))" % self.agent_env)
         self.env.update(PINBOX_WEBHOOK_URL=webhook_url, PINBOX_WEBHOOK_SECRET=self.secret, PINBOX_RETRY_BASE_MS="1")
-        self.start_hub()
+        self.start_hub(dict(self.env, PINBOX_SESSION="claude:whoever-started-the-hub"))
         self.ended_session("claude", "k-claude")
         self.ended_session("codex", "k-codex")  # no codex on PATH: the webhook is its way
         self.claude_pin = self.bound_pin("for claude", "claude", "k-claude")
@@ -4390,6 +4391,7 @@ class TestSecurity(DeliveryCase):
             environment = json.load(handle)
         self.assertNotIn(self.token, json.dumps(environment))
         self.assertNotIn(self.secret, json.dumps(environment))
+        self.assertNotIn("PINBOX_SESSION", environment)  # the resumed agent is not whoever started the hub
 
     # --- 5. file modes -----------------------------------------------------------------
 
@@ -4559,6 +4561,15 @@ class TestSecurity(DeliveryCase):
                                          "agentSession": {"agent": "claude", "key": key}})
         self.fails("E_INVALID_INPUT", 2, "session", "register", "--agent", "claude", "--key", key)
         self.assertEqual(self.sql("SELECT COUNT(*) FROM sessions WHERE key LIKE '-%'"), [(0,)])
+        self.assertFalse(os.path.exists(log))
+        # A key stored by an older pinbox is refused at the resume, not passed.
+        old = {"id": "ses_0000000000", "agent": "claude", "key": key, "cwd": self.repo}
+        event = {"seq": 1, "type": "pin.created", "at": "x", "payload": {"id": "pin_0000000000", "text": "t"}}
+        env = dict(os.environ, PATH=self.env["PATH"])
+        with unittest.mock.patch.dict(os.environ, env):
+            with self.assertRaises(pinbox.PushFailed) as refused:
+                pinbox.push_resume(event, old, {"id": "pin_0000000000", "text": "t", "status": "open"})
+        self.assertTrue(refused.exception.final)
         self.assertFalse(os.path.exists(log))
 
 
