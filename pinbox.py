@@ -19,21 +19,27 @@ VERSION = "0.2.0"
 # Constants and errors
 # ============================================================================
 
-EXIT_CODES = {
-    "E_INTERNAL": 1,
-    "E_INVALID_INPUT": 2,
-    "E_NOT_FOUND": 3,
-    "E_CONFLICT": 4,
-    "E_HUB_UNREACHABLE": 5,
-    "E_SESSION_GONE": 6,
-    "E_DELIVERY": 7,
-    "E_WS_PROTOCOL": 8,
-    "E_ATTACHMENT": 9,
-    "E_CONNECTOR": 10,
-    "E_AUTH": 11,
-    "E_FORBIDDEN": 12,
-    "E_SESSION_BUSY": 13,
+# Each error code and what it means to a shell (exit status) and to a browser (HTTP
+# status): the one place either is decided. A store that cannot take a write now (busy,
+# read-only, full) is HTTP 503 whatever its code: see PinboxError.retryable.
+ERRORS = {
+    "E_INTERNAL": (1, 500),
+    "E_INVALID_INPUT": (2, 400),
+    "E_TIMEOUT": (2, 408),  # a wait the caller bounded ran out: ask again
+    "E_NOT_FOUND": (3, 404),
+    "E_CONFLICT": (4, 409),
+    "E_HUB_UNREACHABLE": (5, 503),
+    "E_SESSION_GONE": (6, 410),
+    "E_DELIVERY": (7, 502),
+    "E_WS_PROTOCOL": (8, 400),
+    "E_ATTACHMENT": (9, 413),
+    "E_CONNECTOR": (10, 502),
+    "E_AUTH": (11, 401),
+    "E_FORBIDDEN": (12, 403),
+    "E_SESSION_BUSY": (13, 429),
 }
+EXIT_CODES = {code: exit_status for code, (exit_status, _) in ERRORS.items()}
+HTTP_STATUS = {code: http_status for code, (_, http_status) in ERRORS.items()}
 
 ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 ID_PREFIXES = ("pin", "msg", "ses", "att")
@@ -49,16 +55,19 @@ class PinboxError(Exception):
     people, and an optional hint saying what to do next."""
     retryable = False  # the store cannot take it now (busy, read-only, disk full); HTTP 503
 
-    def __init__(self, code, message, hint=None, exit_code=None):
+    def __init__(self, code, message, hint=None):
         super().__init__(message)
         self.code = code
         self.message = message
         self.hint = hint
-        self._exit = exit_code
 
     @property
     def exit_code(self):
-        return self._exit if self._exit is not None else EXIT_CODES.get(self.code, 1)
+        return EXIT_CODES.get(self.code, 1)
+
+    @property
+    def http_status(self):
+        return 503 if self.retryable else HTTP_STATUS.get(self.code, 500)
 
     def envelope(self):
         error = {"code": self.code, "message": self.message}
@@ -132,19 +141,49 @@ def git_output(args, cwd):
     return done.stdout.decode("utf-8", "replace")
 
 
-def replace_file(path, text, mode):
-    """Writes `text` to a new file beside `path` and renames it over `path`. A symlink
-    planted at either name (a cloned repo can ship one in .pinbox/) is replaced, never
-    written through."""
+def write_file(path, data, mode=None, private=False):
+    """The one way pinbox writes a file: whole, into a new file beside `path` that is
+    then renamed over it, so no reader sees half of it and a symlink planted at either
+    name (a cloned repo can ship one in .pinbox/) is replaced, never written through.
+    The file gets `mode`, else keeps the mode it had, else the umask's; `private` makes
+    it 0600 in a 0700 folder (tokens, hub state, screenshots)."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, mode=0o700 if private else 0o777, exist_ok=True)
+    if private:
+        os.chmod(folder, 0o700)
+        mode = 0o600
+    elif mode is None:
+        try:
+            mode = os.lstat(path).st_mode & 0o7777 if os.path.isfile(path) and not os.path.islink(path) else None
+        except OSError:
+            mode = None
     tmp = "%s.pinbox-%d" % (path, os.getpid())
     try:
         os.unlink(tmp)
     except FileNotFoundError:
         pass
-    fd = os.open(tmp, os.O_WRONLY + os.O_CREAT + os.O_EXCL, mode)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW  # novermin (flags, not a type union)
+    fd = os.open(tmp, flags, 0o666 if mode is None else mode)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            if mode is not None:
+                os.fchmod(handle.fileno(), mode)  # the umask does not narrow a mode asked for
+            handle.write(data.encode("utf-8", "surrogateescape") if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def read_text(path):
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except FileNotFoundError:
+        return None
 
 
 def real_folder(path):
@@ -364,7 +403,8 @@ class Store:
         return _StoreGuard(self.path)
 
     def write(self):
-        """`with store.write() as conn:` — one BEGIN IMMEDIATE transaction."""
+        """`with store.write() as conn:` — one BEGIN IMMEDIATE transaction; SQLite's failures
+        come out of it as a PinboxError naming the file, like those of guard()."""
         return _Transaction(self)
 
     def _migrate(self):
@@ -423,15 +463,19 @@ class _Transaction:
         self.store = store
 
     def __enter__(self):
-        self.store.conn.execute("BEGIN IMMEDIATE")
+        with self.store.guard():
+            self.store.conn.execute("BEGIN IMMEDIATE")
         return self.store.conn
 
     def __exit__(self, kind, value, tb):
         conn = self.store.conn
-        if kind is None:
-            conn.execute("COMMIT")
-        elif conn.in_transaction:
-            conn.execute("ROLLBACK")
+        with self.store.guard():
+            if kind is None:
+                conn.execute("COMMIT")
+            elif conn.in_transaction:
+                conn.execute("ROLLBACK")
+        if kind is not None and issubclass(kind, sqlite3.Error):
+            raise store_error(self.store.path, value) from None
         return False
 
 
@@ -473,6 +517,18 @@ def append_event(conn, kind, at, payload):
     return cur.lastrowid
 
 
+def last_seq(conn):
+    """The newest event's number (0 in an empty store)."""
+    return conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0]
+
+
+def save_cursor(conn, consumer_id, seq):
+    """Where a live consumer (the original toolbar's socket) has read up to."""
+    conn.execute("INSERT INTO cursors(consumer_id, last_seq, updated_at) VALUES (?, ?, ?) "
+                 "ON CONFLICT(consumer_id) DO UPDATE SET last_seq = excluded.last_seq, "
+                 "updated_at = excluded.updated_at", (consumer_id, seq, iso_time()))
+
+
 def events_after(store, seq, limit=500):
     rows = store.conn.execute(
         "SELECT seq, type, at, payload FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
@@ -511,7 +567,7 @@ def create_pin(store, fields):
     pin.setdefault("kind", "note")
     pin.setdefault("author", {"userId": "unknown"})
     pin.update(id=new_id("pin"), schemaVersion=1, status="open", createdAt=iso_time())
-    with store.guard(), store.write() as conn:
+    with store.write() as conn:
         # (`n IS NOT NULL` lets SQLite read the maximum off the partial index, not scan.)
         pin["n"] = conn.execute("SELECT COALESCE(MAX(n), 0) + 1 FROM pins WHERE n IS NOT NULL").fetchone()[0]
         pin = ordered(pin, PIN_KEYS)
@@ -612,7 +668,7 @@ def add_message(store, pin_id, role, text, session=None, origin=None, attachment
     message = {"id": new_id("msg"), "pinId": pin_id, "role": role, "origin": origin,
                "session": session, "text": text, "attachments": attachments, "at": iso_time()}
     message = ordered(message, MESSAGE_KEYS)
-    with store.guard(), store.write() as conn:
+    with store.write() as conn:
         _read_pin(conn, pin_id)
         conn.execute("INSERT INTO thread_messages(id, pin_id, at, json) VALUES (?, ?, ?, ?)",
                      (message["id"], pin_id, message["at"], dumps_compact(message)))
@@ -627,7 +683,7 @@ def resolve_pin(store, pin_id, by, note=None, commit=None, session=None):
     pin_id = normalize_id(pin_id)
     if note is not None:
         note = clean_text(note, "note")
-    with store.guard(), store.write() as conn:
+    with store.write() as conn:
         pin = _read_pin(conn, pin_id)
         if pin.get("status") == "resolved":
             raise PinboxError("E_CONFLICT", "%s is already resolved" % pin_id,
@@ -649,7 +705,7 @@ def verify_pin(store, pin_id, outcome, note=None):
         raise invalid('invalid outcome: "%s" (expected accepted or reopened)' % outcome)
     if note is not None:
         note = clean_text(note, "note")
-    with store.guard(), store.write() as conn:
+    with store.write() as conn:
         pin = _read_pin(conn, pin_id)
         if pin.get("status") != "resolved":
             raise PinboxError("E_CONFLICT", "%s is not resolved" % pin_id,
@@ -1122,7 +1178,7 @@ def pull_for_session(store, agent, key, cwd=None):
     """What the prompt hook does: the session is registered or revived, claims rows
     nobody had, and collects everything pending for it. Returns (session, open pins,
     arrivals, rows delivered)."""
-    with store.guard(), store.write() as conn:
+    with store.write() as conn:
         session, _ = upsert_session(conn, agent, key, cwd)
         claim_unassigned(conn, session)
         rows = pending_pulls(conn, session["id"])
@@ -1135,7 +1191,7 @@ def pull_for_session(store, agent, key, cwd=None):
 def collect_mid_turn(store, agent, key):
     """What the Stop hook does: what arrived during the turn on pins still open. The
     rows become delivered, so the next Stop lets the agent stop (no hold loop)."""
-    with store.guard(), store.write() as conn:
+    with store.write() as conn:
         session = find_session(conn, agent, key)
         if session is None:
             return Arrivals(conn, [])
@@ -1280,7 +1336,7 @@ def stop_context(arrivals):
 
 
 # ============================================================================
-# Adapters: pushing to agents that do not pull
+# Adapters and the delivery worker: pushing to agents that do not pull
 # ============================================================================
 
 # A push runs outside any transaction: its row is claimed first with a lease (only one
@@ -1322,7 +1378,39 @@ def push_text(event, pin):
     return build_context(header, [], [(event["type"], event["payload"], pin)])
 
 
-def run_agent_command(argv, cwd, timeout):
+# Not for a resumed agent: the hub's secrets, and the session of whoever started the hub.
+HUB_SECRETS = ("PINBOX_WEBHOOK_SECRET", "PINBOX_WEBHOOK_URL", "PINBOX_SESSION")
+
+
+class Pushes:
+    """One hub's pushes in flight: the agent processes they wait on (a resumed agent
+    never outlives the hub that started it), and whether the hub is ending them (then a
+    push's failure is the hub's own doing, not a verdict: the next hub retries it)."""
+
+    def __init__(self):
+        import threading
+        self.running = set()
+        self.stopping = threading.Event()
+
+    def stop(self):
+        """Ends the agents pushes wait on. Only signals: the push threads themselves
+        reap their processes."""
+        import signal
+        self.stopping.set()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for proc in list(self.running):
+                try:
+                    os.killpg(proc.pid, sig)
+                except OSError:
+                    pass
+            deadline = time.monotonic() + 2
+            while self.running and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not self.running:
+                return
+
+
+def run_agent_command(argv, cwd, timeout, pushes):
     """Runs an agent CLI in its own process group, stdin from /dev/null; at the
     timeout the whole group is killed (a resumed agent may leave children behind).
     Returns (exit status or None on timeout, stderr tail)."""
@@ -1331,7 +1419,7 @@ def run_agent_command(argv, cwd, timeout):
     env = {name: value for name, value in os.environ.items() if name not in HUB_SECRETS}
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, start_new_session=True)
-    RUNNING_PUSHES.add(proc)
+    pushes.running.add(proc)
     try:
         _, err = proc.communicate(timeout=timeout)
         return proc.returncode, err.decode("utf-8", "replace").strip()[-500:]
@@ -1339,13 +1427,7 @@ def run_agent_command(argv, cwd, timeout):
         end_process_group(proc)
         return None, ""
     finally:
-        RUNNING_PUSHES.discard(proc)
-
-
-# Not for a resumed agent: the hub's secrets, and the session of whoever started the hub.
-HUB_SECRETS = ("PINBOX_WEBHOOK_SECRET", "PINBOX_WEBHOOK_URL", "PINBOX_SESSION")
-RUNNING_PUSHES = set()  # agent processes a push is waiting on, ended with the hub
-HUB_STOPPING = []  # non-empty once the hub ends its pushes: their outcome is not a verdict
+        pushes.running.discard(proc)
 
 
 def end_process_group(proc):
@@ -1369,7 +1451,7 @@ def end_process_group(proc):
         pass
 
 
-def push_openclaw(event, session, pin):
+def push_openclaw(event, session, pin, pushes):
     """Queues the text for the session's next heartbeat. A key makes OpenClaw wake the
     session at once, so the main session gets none (its events ride the heartbeat)."""
     binary = _which("openclaw")
@@ -1379,7 +1461,7 @@ def push_openclaw(event, session, pin):
     key = session["key"]
     if not (key.startswith("agent:") and key.endswith(":main") and key.count(":") == 2):
         argv[5:5] = ["--session-key", key]
-    code, err = run_agent_command(argv, session.get("cwd") or None, ADAPTER_TIMEOUT_S["openclaw"])
+    code, err = run_agent_command(argv, session.get("cwd") or None, ADAPTER_TIMEOUT_S["openclaw"], pushes)
     if code == 0:
         return
     if code is None:
@@ -1397,7 +1479,7 @@ def resume_argv(agent, binary, key, prompt):
     return [binary, "chat", "-Q", "--resume", key, "-q", prompt]
 
 
-def push_resume(event, session, pin):
+def push_resume(event, session, pin, pushes):
     """Wakes an ended session under its own key, in its recorded folder — never a fresh
     session passed off as the old one."""
     binary = _which(RESUME_BINARIES.get(session["agent"], ""))
@@ -1408,7 +1490,7 @@ def push_resume(event, session, pin):
         raise PushFailed("E_SESSION_GONE: cannot resume %s session %s (no binary on PATH or no recorded folder)"
                          % (session["agent"], session["key"]), final=True)
     code, err = run_agent_command(resume_argv(session["agent"], binary, session["key"], push_text(event, pin)),
-                                  session["cwd"], resume_timeout())
+                                  session["cwd"], resume_timeout(), pushes)
     if code == 0:
         return
     if code is None:
@@ -1460,7 +1542,7 @@ def claim_due(store, owner, limit=32):
     with store.guard():
         if not store.conn.execute(due, dict(when, limit=1)).fetchone():
             return claimed  # nothing due: no write lock taken from the writers
-    with store.guard(), store.write() as conn:
+    with store.write() as conn:
         rows = conn.execute(due, dict(when, limit=limit)).fetchall()
         for row_id, adapter, attempts, session_id, seq, kind, at, raw in rows:
             session = get_session(conn, session_id)
@@ -1488,10 +1570,22 @@ def claim_due(store, owner, limit=32):
     return claimed
 
 
+def next_due_at(conn):
+    """When the next pending push row that nobody holds falls due (ISO time), or None."""
+    return conn.execute("SELECT MIN(due_at) FROM deliveries WHERE status = 'pending' AND "
+                        "due_at IS NOT NULL AND lease_until IS NULL").fetchone()[0]
+
+
+def release_claims(conn, owner):
+    """Frees the rows this hub's claims hold (a claim is `owner:<nonce>`)."""
+    conn.execute("UPDATE deliveries SET lease_owner = NULL, lease_until = NULL WHERE lease_owner LIKE ?",
+                 (owner + ":%",))
+
+
 def finish_push(store, row_id, owner, error=None):
     """Records a push's outcome, only if this owner's claim still holds."""
     now = iso_time()
-    with store.guard(), store.write() as conn:
+    with store.write() as conn:
         row = conn.execute("SELECT attempts FROM deliveries WHERE id = ? AND lease_owner = ? AND status = 'pending'",
                            (row_id, owner)).fetchone()
         if row is None:
@@ -1523,14 +1617,14 @@ def delivery_id(store, row_id):
     return "%s-%d" % (project, row_id)
 
 
-def push(store, claim):
+def push(store, claim, pushes):
     """Runs one claimed push (no transaction open) and records how it went."""
     row_id, adapter, event, session, pin, owner = claim
     try:
         if adapter == "openclaw":
-            push_openclaw(event, session, pin)
+            push_openclaw(event, session, pin, pushes)
         elif adapter == "resume":
-            push_resume(event, session, pin)
+            push_resume(event, session, pin, pushes)
         else:
             push_webhook(event, session, pin, delivery_id(store, row_id))
         error = None
@@ -1538,7 +1632,7 @@ def push(store, claim):
         error = exc
     except Exception as exc:  # a bug in one push must not stop the others
         error = PushFailed("%s: %s" % (type(exc).__name__, exc))
-    if error is not None and HUB_STOPPING:
+    if error is not None and pushes.stopping.is_set():
         return  # killed by our own shutdown: the row is released and the next hub retries it
     finish_push(store, row_id, owner, error)
 
@@ -1546,13 +1640,79 @@ def push(store, claim):
 def replay_unrouted(store):
     """Events that have no ledger row yet (written by an older pinbox, or a database
     brought from elsewhere) are routed now, in order."""
-    with store.guard(), store.write() as conn:
+    with store.write() as conn:
         last = conn.execute("SELECT COALESCE(MAX(event_seq), 0) FROM deliveries").fetchone()[0]
         for seq, kind, raw in conn.execute("SELECT seq, type, payload FROM events WHERE seq > ? ORDER BY seq",
                                            (last,)).fetchall():
             route_event(conn, seq, kind, json.loads(raw))
         # Only one hub runs per project: any lease still held was left by a dead one.
         conn.execute("UPDATE deliveries SET lease_owner = NULL, lease_until = NULL WHERE lease_until IS NOT NULL")
+
+
+# --- The delivery worker: the hub's thread that runs due pushes --------------
+
+def delivery_worker(hub, stop, owner, concurrency=16):
+    """Pushes due rows, each on a thread of its own: a resume that hangs for its full
+    timeout delays no other delivery, no HTTP request and no hook."""
+    import threading
+    busy = threading.BoundedSemaphore(concurrency)
+    hub.pushing = 0
+    replayed = False
+
+    def run(claim):
+        try:
+            with hub.store() as store:
+                push(store, claim, hub.pushes)
+        finally:
+            busy.release()
+            hub.changed()  # a retry may now be due sooner than the worker planned to look
+
+    while not stop.is_set():
+        if not replayed:
+            try:
+                with hub.store() as store:
+                    replay_unrouted(store)
+                replayed = True
+            except (PinboxError, sqlite3.Error):
+                stop.wait(0.5)  # the store is busy: try again
+                continue
+        free = 0
+        while busy.acquire(blocking=False):
+            free += 1
+        hub.pushing = concurrency - free
+        claims = []
+        if free:
+            try:
+                with hub.store() as store:
+                    claims = claim_due(store, owner, free)
+            except (PinboxError, sqlite3.Error):
+                claims = []
+        for claim in claims:
+            threading.Thread(target=run, args=(claim,), daemon=True).start()
+        for _ in range(free - len(claims)):
+            busy.release()
+        with hub.cond:
+            # Woken at once when an event lands or a push ends; with every slot taken
+            # there is nothing to do until one frees.
+            hub.cond.wait(next_due_in(hub) if free > len(claims) else 5.0)
+
+
+def next_due_in(hub):
+    """Seconds until the next pending row falls due (at most half a second)."""
+    try:
+        with hub.store() as store, store.guard():
+            due = next_due_at(store.conn)
+    except PinboxError:
+        return 0.5
+    when = parse_iso(due) if due else None
+    return 0.5 if when is None else max(0.005, min(0.5, when - time.time()))
+
+
+def release_leases(hub, owner):
+    """Ends the hub's pushes and frees their rows: the next hub retries them."""
+    hub.pushes.stop()
+    with hub.store() as store, store.write() as conn:
+        release_claims(conn, owner)
 
 
 # ============================================================================
@@ -1666,7 +1826,7 @@ def post_message(store, receiver_ref, text, sender=None):
     if size > INBOX_MESSAGE_BYTES:
         raise invalid("message is %d bytes; the limit is %d (16 KiB)" % (size, INBOX_MESSAGE_BYTES),
                       "put the long part in a file in the workspace and post its path")
-    with store.guard(), store.write() as conn:
+    with store.write() as conn:
         receiver = lookup_session(conn, receiver_ref)
         if receiver is None:
             raise PinboxError("E_NOT_FOUND", "no session %s" % receiver_ref,
@@ -1713,7 +1873,7 @@ class _NoTransaction:
 def ack_messages(store, ids, acker_id):
     """Removes handled messages; only their receiver may."""
     ids = [normalize_id(i) for i in ids]
-    with store.guard(), store.write() as conn:
+    with store.write() as conn:
         rows = dict(conn.execute("SELECT id, session_id FROM inbox WHERE id IN (%s)" % ",".join("?" * len(ids)),
                                  ids).fetchall())
         missing = [i for i in ids if i not in rows]
@@ -1726,6 +1886,10 @@ def ack_messages(store, ids, acker_id):
                               "run this from the receiving session (PINBOX_SESSION or --session)")
         conn.execute("DELETE FROM inbox WHERE id IN (%s)" % ",".join("?" * len(ids)), ids)
     return ids
+
+
+def clear_inbox(conn):
+    conn.execute("DELETE FROM inbox")
 
 
 def inbox_summary(store):
@@ -1860,9 +2024,6 @@ def unread_mail_line(store, session_id):
 
 JSON_BODY_LIMIT = 1024 * 1024
 ATTACHMENT_LIMIT = 5 * 1024 * 1024
-HTTP_STATUS = {"E_INVALID_INPUT": 400, "E_AUTH": 401, "E_FORBIDDEN": 403, "E_NOT_FOUND": 404,
-               "E_CONFLICT": 409, "E_ATTACHMENT": 413, "E_SESSION_BUSY": 429, "E_CONNECTOR": 502,
-               "E_HUB_UNREACHABLE": 503}
 PAGE_LIMIT = 1000
 MEDIA_TYPES = {"image/png": "png", "image/webp": "webp", "image/jpeg": "jpg", "image/gif": "gif",
                "text/plain": "txt"}
@@ -1896,7 +2057,7 @@ class Response:
 
 
 def error_response(err):
-    return Response(503 if err.retryable else HTTP_STATUS.get(err.code, 500), error=err)
+    return Response(err.http_status, error=err)
 
 
 # --- Validating what a page sends -------------------------------------------------
@@ -2117,11 +2278,8 @@ def r_attachment(hub, request):
     attachment_id = new_id("att")
     # The name is the server's own: nothing the page sends reaches the file system.
     name = "%s.%s" % (attachment_id, MEDIA_TYPES.get(essence, "bin"))
-    folder = real_folder(os.path.join(hub.directory, "media"))
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    path = os.path.join(folder, name)
-    with os.fdopen(os.open(path, os.O_WRONLY + os.O_CREAT + os.O_EXCL, 0o600), "wb") as handle:
-        handle.write(request.body)
+    path = os.path.join(real_folder(os.path.join(hub.directory, "media")), name)
+    write_file(path, request.body, private=True)
     attachment = {"id": attachment_id, "kind": kind, "path": path, "url": "/media/" + name, "contentType": essence}
     return Response(201, {"attachment": attachment})
 
@@ -2151,7 +2309,7 @@ def r_list_sessions(hub, request):
 
 def r_register(hub, request):
     ref = validate(request.json(), SESSION_REF)
-    with hub.store() as store, store.guard(), store.write() as conn:
+    with hub.store() as store, store.write() as conn:
         session, created = upsert_session(conn, ref["agent"], ref["key"], ref.get("cwd"))
         claim_unassigned(conn, session)
     return Response(201 if created else 200, session)
@@ -2165,7 +2323,7 @@ def _session_or_404(conn, session_id):
 
 
 def r_end_session(hub, request, session_id):
-    with hub.store() as store, store.guard(), store.write() as conn:
+    with hub.store() as store, store.write() as conn:
         session = _session_or_404(conn, session_id)
         if request.query.get("forget") in ("1", "true"):
             forget_session(conn, session)
@@ -2251,6 +2409,2504 @@ def r_toolbar(hub, request):
 def r_page(hub, request):
     return Response(200, raw=PAGE_HTML, content_type="text/html; charset=utf-8")
 
+
+# ============================================================================
+# Hub: the server shell
+# ============================================================================
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+PUBLIC_ROUTES = (("GET", "/health"), ("GET", "/toolbar.js"), ("GET", "/"))
+TOKEN_IN_QUERY = ("/stream", "/ws")  # EventSource and WebSocket cannot send headers
+MAX_CONNECTIONS = 512
+
+
+def host_is_loopback(value):
+    """A Host or Origin value that names this machine's loopback and nothing more: no
+    user part, no path, only a numeric port ("evil@localhost" is not local)."""
+    import re
+    return re.fullmatch(r"(?i)(https?://)?(127\.0\.0\.1|localhost|\[::1\])(:[0-9]{1,5})?", value or "") is not None
+
+
+class Hub:
+    """One project's hub: its store (a pool of connections), token, and the signal
+    that wakes open streams when an event is appended (by this process or any other)."""
+
+    def __init__(self, root, directory, token):
+        import collections
+        import threading
+        self.root, self.directory, self.token = root, directory, token
+        self.cond = threading.Condition()
+        # The latest events, read once for every open page: with hundreds of streams a
+        # write costs one query, not one per stream. It holds every event after tail_from.
+        self.tail = collections.deque(maxlen=1000)
+        self.tail_from = None
+        self._reading = threading.Lock()
+        # Streams that have caught up (socket -> the last seq it was sent): new events
+        # are written to them here, instead of waking a thread per page (hundreds of
+        # wake-ups per write would starve every other request of the interpreter).
+        self.listeners = {}
+        self.stopping = threading.Event()  # set once: every thread of this hub winds down
+        self.pushes = Pushes()
+        self._heard = time.monotonic()
+        self._poke = threading.Event()
+        self.last_seq = 0
+        self.streams = 0
+        self.toolbars = 0
+        self.pushing = 0
+        self._pool = []
+        self._lock = threading.Lock()
+        self._stamp = None
+
+    def store(self):
+        """`with hub.store() as store:` — a connection from the pool, for one request."""
+        return _Borrowed(self)
+
+    def close(self):
+        with self._lock:
+            for store in self._pool:
+                store.close()
+            self._pool = []
+
+    def git_stamp(self):
+        """The branch and commit for a new pin, looked up at most once a second: one git
+        process per pin would cap the hub at a few hundred pins a second."""
+        now = time.monotonic()
+        if self._stamp is None or now - self._stamp[0] > 1.0:
+            self._stamp = (now, git_stamp(self.root))
+        return dict(self._stamp[1])
+
+    def count(self, name, delta):
+        with self._lock:
+            setattr(self, name, getattr(self, name) + delta)
+
+    def caller_session(self, store, request):
+        ref = request.headers.get("x-pinbox-session")
+        if not ref:
+            return None
+        with store.guard():
+            session = lookup_session(store.conn, ref)
+        return session["id"] if session else None
+
+    def changed(self):
+        """Something was written: with a page open, the watcher reads the new events
+        now (one read for a burst of writes, none in the writer's request); every waiter
+        wakes."""
+        if self.streams or self.toolbars:
+            self._poke.set()
+        with self.cond:
+            self.cond.notify_all()
+
+    def read_tail(self):
+        """Appends the events written since the last look to the tail; whether there were."""
+        with self._reading:
+            watched = self.streams or self.toolbars
+            try:
+                with self.store() as store:
+                    seq = last_seq(store.conn)
+                    fresh = events_after(store, self.last_seq, 1000) if watched and seq > self.last_seq else []
+            except (PinboxError, sqlite3.Error):
+                return False
+            with self.cond:
+                if self.tail_from is None or seq < self.last_seq or not watched:
+                    # The start, a store replaced, or no page open: the tail starts afresh here.
+                    moved = seq != self.last_seq
+                    self.tail.clear()
+                    self.tail_from = self.last_seq = seq
+                    return moved
+                if fresh:
+                    self.tail.extend(fresh)
+                    self.last_seq = fresh[-1]["seq"]
+                    if len(self.tail) == self.tail.maxlen:
+                        self.tail_from = self.tail[0]["seq"] - 1
+                    frames = [(event["seq"], sse_frame(event)) for event in fresh]
+                    for sock, sent in list(self.listeners.items()):
+                        # A stream that caught up from the store may be ahead of the tail.
+                        self.send_to(sock, b"".join(frame for seq, frame in frames if seq > sent), frames[-1][0])
+            return bool(fresh)
+
+    def listen(self, sock, after):
+        """Hands a stream that has sent everything up to `after` to the broadcast;
+        False when more has landed meanwhile (the stream sends that first)."""
+        with self.cond:
+            if self.tail_from is None or after < self.last_seq or self.stopping.is_set():
+                return False
+            self.listeners[sock] = after
+            return True
+
+    def send_to(self, sock, data, seq):
+        """Writes without waiting: a page that cannot take a few bytes into its socket
+        buffer is gone, and is hung up on."""
+        import socket
+        self._heard = time.monotonic()
+        try:
+            if not data or sock.send(data, socket.MSG_DONTWAIT) == len(data):
+                self.listeners[sock] = max(seq, self.listeners[sock])
+                return
+        except OSError:
+            pass
+        self.hang_up(sock)
+
+    def hang_up(self, sock):
+        """Ends a stream: its thread, blocked reading the socket, sees the end and exits."""
+        import socket
+        self.listeners.pop(sock, None)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def watch(self, stop):
+        """Reads new events into the tail when poked by a write here, and every 50 ms
+        for the writes of other processes (the CLI, hooks, git); wakes the waiters."""
+        while not stop.is_set():
+            if self._poke.wait(0.05):
+                stop.wait(0.005)  # the rest of a burst of writes is read with it
+            self._poke.clear()
+            try:
+                fresh = self.read_tail()
+            except Exception:  # noqa: BLE001 — this thread must outlive any one bad row
+                fresh = False
+            if fresh:
+                with self.cond:
+                    self.cond.notify_all()
+            elif time.monotonic() - self._heard > 15:  # proxies and browsers drop silent streams
+                with self.cond:
+                    for sock in list(self.listeners):
+                        self.send_to(sock, b": keepalive\n\n", 0)
+        with self.cond:
+            for sock in list(self.listeners):
+                self.hang_up(sock)
+
+    def wait_for_events(self, after, timeout):
+        """Events after `after`, waiting up to `timeout` seconds for one to appear."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            with self.cond:
+                if self.tail_from is not None and after >= self.tail_from:
+                    events = []
+                    for event in reversed(self.tail):  # from the newest: a page is seldom far behind
+                        if event["seq"] <= after:
+                            break
+                        events.append(event)
+                    events = events[::-1][:200]
+                    if events or left <= 0:
+                        return events
+                    self.cond.wait(min(left, 1.0))
+                    continue
+            with self.store() as store:  # further back than the tail: a page catching up
+                events = events_after(store, after, 200)
+            if events or left <= 0:
+                return events
+            with self.cond:
+                self.cond.wait(min(left, 1.0))
+
+
+class _Borrowed:
+    def __init__(self, hub):
+        self.hub = hub
+
+    def __enter__(self):
+        with self.hub._lock:
+            self.store = self.hub._pool.pop() if self.hub._pool else None
+        if self.store is not None and self.store.identity != file_identity(self.store.path):
+            # The database was deleted or replaced under the hub: a connection to the old
+            # file would write where nobody reads.
+            self.store.close()
+            self.store = None
+        if self.store is None:
+            self.store = Store(self.hub.directory)
+        return self.store
+
+    def __exit__(self, *exc):
+        if self.store.conn is not None and self.store.conn.in_transaction:
+            self.store.conn.execute("ROLLBACK")
+        with self.hub._lock:
+            keep = len(self.hub._pool) < 16  # a burst of requests leaves no pile of open connections
+            if keep:
+                self.hub._pool.append(self.store)
+        if not keep:
+            self.store.close()
+        return False
+
+
+# The server's classes add pinbox's behaviour to http.server's, which they are mixed
+# with only when a hub starts (run_hub): importing http.server costs a hook ~10 ms, and
+# hooks import this file on every prompt. A handler reaches its hub through
+# self.server.hub, the socketserver way.
+
+class HubServer:
+    """A ThreadingHTTPServer with a connection cap: past MAX_CONNECTIONS a client gets
+    a 503 at once, not a hang. `active` counts the requests in flight."""
+    daemon_threads = True
+    request_queue_size = 256
+
+    def __init__(self, address, handler, hub, activity):
+        import threading
+        self.hub, self.activity = hub, activity
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.active = 0
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                                b"Connection: close\r\nRetry-After: 1\r\n\r\n")
+            finally:
+                self.shutdown_request(request)
+            return
+        with self.hub._lock:
+            self.active += 1
+        super().process_request(request, client_address)
+
+    def handle_error(self, request, client_address):
+        import socket
+        if isinstance(sys.exc_info()[1], (ConnectionError, socket.timeout)):
+            return  # the client went away mid-request: nothing worth a log line
+        super().handle_error(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.hub._lock:
+                self.active -= 1
+            self.slots.release()
+
+
+class HubHandler:
+    """The checks every request passes (Host, Origin, token, body limits) and CORS, then
+    the router; /stream and /ws stay open and are served here."""
+    protocol_version = "HTTP/1.1"
+    server_version = "pinbox/" + VERSION
+    timeout = 30  # a client that stops sending mid-request is dropped
+    # Headers and body go out as two writes: with Nagle on, a kept-alive client
+    # waits out its delayed ACK (~40 ms) on every response.
+    disable_nagle_algorithm = True
+
+    def log_message(self, *args):
+        pass  # nothing is logged: request lines carry tokens in query strings
+
+    def do_GET(self):
+        self.handle_one("GET")
+
+    def do_POST(self):
+        self.handle_one("POST")
+
+    def do_DELETE(self):
+        self.handle_one("DELETE")
+
+    def do_PUT(self):
+        self.handle_one("PUT")
+
+    def do_OPTIONS(self):
+        self.handle_one("OPTIONS")
+
+    def send(self, response, extra=()):
+        self.send_response(response.status)
+        self.send_header("Content-Type", response.content_type)
+        self.send_header("Content-Length", str(len(response.body)))
+        self.send_header("Cache-Control", "no-store")
+        for name, value in list(extra) + self.cors:
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(response.body)
+
+    def refuse(self, status, err=None):
+        self.send(Response(status, error=err) if err else Response(status, raw=b""))
+        self.close_connection = True
+
+    def send_error(self, code, message=None, explain=None):
+        # http.server answers an unknown method 501 and a newer HTTP version 505:
+        # both are the client's mistake, not the hub's.
+        super().send_error({501: 405, 505: 400}.get(code, code), message, explain)
+
+    def handle_one(self, method):
+        from urllib.parse import urlsplit, parse_qsl
+        hub = self.server.hub
+        self.server.activity.touch()
+        self.cors = []
+        try:
+            split = urlsplit(self.path)
+        except ValueError:  # "http://[/pins": an absolute-form target with a broken host
+            return self.refuse(400, invalid("the request target is not a valid URL"))
+        path = split.path.rstrip("/") or "/"
+        query = dict(parse_qsl(split.query, keep_blank_values=True))
+        # Two of a header that decides who may ask are refused: which one wins would
+        # depend on the parser (RFC 9112 asks for a 400 on two Hosts).
+        if any(len(self.headers.get_all(name) or ()) > 1 for name in ("Host", "Origin", "Authorization")):
+            return self.refuse(400, invalid("repeated Host, Origin or Authorization header"))
+        # A page on another site, or a name that only rebinds to 127.0.0.1, gets nothing.
+        if not host_is_loopback(self.headers.get("Host")):
+            return self.refuse(403, PinboxError("E_FORBIDDEN", "Host must name the loopback"))
+        origin = self.headers.get("Origin")
+        if origin is not None:
+            if not host_is_loopback(origin):
+                return self.refuse(403)
+            self.cors = [("Access-Control-Allow-Origin", origin), ("Vary", "Origin")]
+            if method == "OPTIONS":
+                return self.send(Response(204, raw=b""), [
+                    ("Access-Control-Allow-Methods", "GET, POST, DELETE, OPTIONS"),
+                    ("Access-Control-Allow-Headers", "authorization, content-type, x-pinbox-session"),
+                    ("Access-Control-Max-Age", "600")])
+        if path == "/ws":
+            return serve_websocket(self, hub, query)
+        if (method, path) not in PUBLIC_ROUTES and not self.authorized(path, query):
+            return self.refuse(401, PinboxError("E_AUTH", "missing or invalid bearer token",
+                                                "send Authorization: Bearer <token>; `pinbox serve` prints it"))
+        body = self.read_body(path)
+        if body is None:
+            return
+        if path == "/stream" and method == "GET":
+            return serve_stream(self, hub, query)
+        self.send(route(hub, Request(method, path, query, dict(self.headers), body)))
+
+    def discard(self, length):
+        while length > 0:
+            chunk = self.rfile.read(min(length, 65536))
+            if not chunk:
+                break
+            length -= len(chunk)
+
+    def authorized(self, path, query):
+        import hmac
+        header = self.headers.get("Authorization") or ""
+        offered = header[7:] if header.startswith("Bearer ") else None
+        if offered is None and (path in TOKEN_IN_QUERY or path.startswith("/media/")):
+            offered = query.get("token")
+        return offered is not None and hmac.compare_digest(offered.encode(), self.server.hub.token.encode())
+
+    def read_body(self, path):
+        """The request body within its limit (1 MiB of JSON, 5 MiB of attachment);
+        None when the request was refused."""
+        import re
+        if self.headers.get("Transfer-Encoding"):
+            self.refuse(411, invalid("send a Content-Length (chunked bodies are not accepted)"))
+            return None
+        lengths = {value.strip() for value in self.headers.get_all("Content-Length") or ["0"]}
+        length = lengths.pop()
+        if lengths or not re.fullmatch(r"[0-9]{1,16}", length):  # "+2", "1_0" and two values are not lengths
+            self.refuse(400, invalid("Content-Length is not one plain number"))
+            return None
+        length = int(length)
+        limit = ATTACHMENT_LIMIT if path == "/attachments" else JSON_BODY_LIMIT
+        if length > limit:
+            err = (PinboxError("E_ATTACHMENT", "attachment exceeds %d bytes" % ATTACHMENT_LIMIT,
+                               "attachments are capped at 5 MB; downscale or compress before uploading")
+                   if path == "/attachments" else
+                   invalid("request body exceeds %d bytes" % JSON_BODY_LIMIT, "JSON bodies are capped at 1 MiB"))
+            if length <= 16 * 1024 * 1024:  # read and dropped, so the client gets to see the 413
+                self.discard(length)
+            self.refuse(413, err)
+            return None
+        body = self.rfile.read(length) if length else b""
+        if len(body) < length:
+            self.close_connection = True
+            return None  # the client went away mid-body
+        return body
+
+
+def serve_stream(handler, hub, query):
+    """Server-Sent Events: every event after `after`, then each new one as it lands."""
+    try:
+        after = int(query.get("after") or 0)
+    except ValueError:
+        after = 0
+    handler.send_response(200)
+    handler.send_header("Content-Type", "text/event-stream")
+    handler.send_header("Cache-Control", "no-store")
+    for name, value in handler.cors:
+        handler.send_header(name, value)
+    handler.end_headers()
+    handler.close_connection = True
+    handler.connection.settimeout(None)
+    hub.count("streams", 1)
+    sock = handler.connection
+    try:
+        # Catching up is this thread's work; once caught up, the hub's broadcast writes.
+        wait = 0
+        while not hub.stopping.is_set():
+            events = hub.wait_for_events(after, wait)
+            if events:
+                handler.wfile.write(b"".join(sse_frame(event) for event in events))
+                handler.wfile.flush()
+                after, wait = events[-1]["seq"], 0
+            elif hub.listen(sock, after):
+                while sock.recv(4096):  # a stream's client sends nothing more: this waits for its end
+                    pass
+                break
+            else:
+                wait = 0.05  # what landed is not in the tail yet: look again shortly
+    except (OSError, ValueError):
+        pass  # the page went away
+    finally:
+        with hub.cond:
+            hub.listeners.pop(sock, None)
+        hub.count("streams", -1)
+
+
+def sse_frame(event):
+    return ("id: %d\ndata: %s\n\n" % (event["seq"], dumps_compact(event))).encode("utf-8")
+
+
+class WebSocket:
+    """Just enough RFC 6455 for the original toolbar's protocol: text frames, ping/pong,
+    close with a code; client frames over 64 KiB close the socket."""
+    MAX_FRAME = 64 * 1024
+
+    def __init__(self, sock, rfile):
+        import threading
+        self.sock, self.rfile = sock, rfile
+        self.send_lock = threading.Lock()
+        self.closed = False
+
+    def send(self, opcode, payload=b""):
+        import struct
+        if isinstance(payload, str):
+            payload = payload.encode("utf-8")
+        n = len(payload)
+        head = bytes([0x80 | opcode]) + (bytes([n]) if n < 126 else
+                                         struct.pack("!BH", 126, n) if n < 65536 else struct.pack("!BQ", 127, n))
+        with self.send_lock:
+            if self.closed and opcode != 0x8:
+                return
+            self.sock.sendall(head + payload)
+
+    def send_json(self, value):
+        self.send(0x1, dumps_compact(value))
+
+    def close(self, code, reason=""):
+        import struct
+        try:
+            self.send(0x8, struct.pack("!H", code) + reason.encode("utf-8"))
+        except OSError:
+            pass
+        self.closed = True
+
+    def receive(self):
+        """(opcode, payload) of the next client frame; None when the peer is gone."""
+        import struct
+        head = self.rfile.read(2)
+        if len(head) < 2:
+            return None
+        opcode, masked, n = head[0] & 0x0F, head[1] & 0x80, head[1] & 0x7F
+        if n == 126:
+            n = struct.unpack("!H", self.rfile.read(2))[0]
+        elif n == 127:
+            n = struct.unpack("!Q", self.rfile.read(8))[0]
+        if n > self.MAX_FRAME or not masked:
+            self.close(1009 if masked else 1002, "frame refused")
+            return None
+        mask = self.rfile.read(4)
+        data = bytearray(self.rfile.read(n))
+        if len(data) < n or len(mask) < 4:
+            return None
+        for i in range(n):
+            data[i] ^= mask[i % 4]
+        return opcode, bytes(data)
+
+
+def event_frame(event):
+    return {"type": "event", "seq": event["seq"], "eventType": event["type"], "at": event["at"],
+            "payload": event["payload"]}
+
+
+def websocket_accept(key):
+    """The Sec-WebSocket-Accept answer to a client's Sec-WebSocket-Key (RFC 6455 §4.2.2)."""
+    import base64
+    import hashlib
+    return base64.b64encode(hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest()).decode()
+
+
+def parse_hello(data):
+    """(consumerId, lastSeq) of the original toolbar's hello frame; None for anything
+    else (not UTF-8, not JSON, not a hello, a field missing or of the wrong type)."""
+    try:
+        message = json.loads(data.decode("utf-8"))
+    except ValueError:
+        return None
+    if (isinstance(message, dict) and message.get("type") == "hello"
+            and isinstance(message.get("protocol"), int) and message["protocol"] >= 1
+            and isinstance(message.get("consumerId"), str) and message["consumerId"]
+            and isinstance(message.get("lastSeq"), int) and message["lastSeq"] >= 0):
+        return message["consumerId"], message["lastSeq"]
+    return None
+
+
+def read_toolbar_frames(ws, hub, hello, state):
+    """The socket's reading side: pings answered, one hello taken (into `state`, then
+    `hello` is set), anything after it answered with an error frame."""
+    while not ws.closed:
+        try:
+            frame = ws.receive()
+        except Exception:  # noqa: BLE001 — a short or garbled frame ends this socket, never the hub
+            frame = None
+        if frame is None:
+            break
+        opcode, data = frame
+        if opcode == 0x8:
+            break
+        if opcode == 0x9:
+            ws.send(0xA, data)
+            continue
+        if opcode != 0x1:
+            continue
+        if hello.is_set():
+            ws.send_json({"type": "error", "code": "E_WS_PROTOCOL",
+                          "message": "unexpected client frame: no client messages exist after hello"})
+            continue
+        parsed = parse_hello(data)
+        if parsed is None:
+            ws.send_json({"type": "error", "code": "E_WS_PROTOCOL", "message": "malformed hello"})
+            ws.close(4400, "malformed hello")
+            break
+        state["consumer"], state["after"] = parsed
+        hello.set()
+    ws.closed = True
+    hub.changed()
+
+
+def serve_websocket(handler, hub, query):
+    """The original toolbar's live protocol (version 1): hello, catch-up, event frames;
+    4401 for a bad token, 4400 for a bad or missing hello."""
+    import hmac
+    import threading
+    key = handler.headers.get("Sec-WebSocket-Key")
+    if (handler.headers.get("Upgrade") or "").lower() != "websocket" or not key:
+        return handler.refuse(400, invalid("websocket upgrade failed"))
+    offered = [p.strip() for p in (handler.headers.get("Sec-WebSocket-Protocol") or "").split(",") if p.strip()]
+    chosen = next((p for p in offered if p.startswith("pinbox.token.")), None)
+    token = chosen[len("pinbox.token."):] if chosen else query.get("token")
+    handler.send_response(101)
+    handler.send_header("Upgrade", "websocket")
+    handler.send_header("Connection", "Upgrade")
+    handler.send_header("Sec-WebSocket-Accept", websocket_accept(key))
+    if chosen:
+        handler.send_header("Sec-WebSocket-Protocol", chosen)  # browsers drop a socket without the echo
+    handler.end_headers()
+    handler.close_connection = True
+    handler.connection.settimeout(None)  # a toolbar sends nothing after its hello, for hours
+    ws = WebSocket(handler.connection, handler.rfile)
+    if not token or not hmac.compare_digest(token.encode(), hub.token.encode()):
+        return ws.close(4401, "missing or invalid token")
+    hello = threading.Event()
+    state = {"after": None}
+    threading.Thread(target=read_toolbar_frames, args=(ws, hub, hello, state), daemon=True).start()
+    if not hello.wait(5.0):
+        if not ws.closed:
+            ws.close(4400, "no hello within deadline")
+        return
+    hub.count("toolbars", 1)
+    try:
+        with hub.store() as store:
+            last = last_seq(store.conn)
+            backlog = events_after(store, state["after"], 500)
+            with store.write() as conn:
+                save_cursor(conn, state["consumer"], state["after"])
+        ws.send_json({"type": "catch-up", "protocol": 1, "minProtocol": 1, "lastSeq": last,
+                      "events": [event_frame(e) for e in backlog]})
+        after = backlog[-1]["seq"] if backlog else state["after"]
+        while not ws.closed and not hub.stopping.is_set():
+            for event in hub.wait_for_events(after, 1.0):
+                ws.send_json(event_frame(event))
+                after = event["seq"]
+    except (OSError, PinboxError):
+        pass
+    finally:
+        hub.count("toolbars", -1)
+        ws.closed = True
+
+
+class Activity:
+    """When the hub last had a request: it exits after PINBOX_IDLE_MS without one, unless
+    a page still has a stream or socket open."""
+
+    def __init__(self):
+        self.last = time.monotonic()
+
+    def touch(self):
+        self.last = time.monotonic()
+
+    def idle_for(self):
+        return time.monotonic() - self.last
+
+
+def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
+    """Serves the project's hub until it has been idle PINBOX_IDLE_MS, is told to stop
+    (SIGTERM, SIGINT) or its project folder is gone; `ready(port, token)` is called once
+    it listens. Returns ("stopped", None), or ("already", hub.json of the hub that holds
+    the project's lock, or None while that one is starting)."""
+    import fcntl
+    import http.server
+    import threading
+    state, hub_json, token_path, port_path, lock_path, server_json = hub_files(root)
+    os.makedirs(state, mode=0o700, exist_ok=True)
+    lock = open(lock_path, "a")  # one hub per project: the lock is held while it serves
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # novermin (flags, not a type union)
+    except OSError:
+        lock.close()
+        return "already", wait_for_hub(root, 3.0)
+    server = hub = None
+    try:
+        hub = open_hub(root, token_path, ephemeral_inbox)
+        server_class = type("Server", (HubServer, http.server.ThreadingHTTPServer), {})
+        handler_class = type("Handler", (HubHandler, http.server.BaseHTTPRequestHandler), {})
+        wanted = port if port is not None else last_port(port_path)
+        try:
+            server = server_class(("127.0.0.1", wanted or 0), handler_class, hub, Activity())
+        except OSError:
+            server = server_class(("127.0.0.1", 0), handler_class, hub, Activity())  # taken: any free port
+        bound = server.server_address[1]
+        write_file(port_path, "%d\n" % bound, private=True)
+        write_file(hub_json, json.dumps({"pid": os.getpid(), "port": bound, "token": hub.token,
+                                         "version": VERSION}, indent=2) + "\n", private=True)
+        write_file(server_json, json.dumps({"port": bound}, indent=2) + "\n")
+        handle_stop_signals(hub, server)
+        owner = "hub-%d-%s" % (os.getpid(), new_id("ses")[4:])
+        for target, args in ((hub.watch, (hub.stopping,)), (delivery_worker, (hub, hub.stopping, owner)),
+                             (watch_idle, (hub, server))):
+            threading.Thread(target=target, args=args, daemon=True).start()
+        if ready:
+            ready(bound, hub.token)
+        server.serve_forever(poll_interval=0.2)
+        finish_requests(hub, server, owner)
+    finally:
+        current = read_hub_json(hub_json)
+        if current and current["pid"] == os.getpid():
+            for path in (hub_json, server_json):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        if server is not None:
+            server.server_close()
+        if hub is not None:
+            hub.close()
+        lock.close()
+    return "stopped", None
+
+
+def open_hub(root, token_path, ephemeral_inbox):
+    """The Hub for a project, its store made (and migrated) before the first request."""
+    directory = store_dir(root)
+    store = Store(directory)
+    try:
+        if ephemeral_inbox:
+            with store.write() as conn:
+                clear_inbox(conn)
+    finally:
+        store.close()
+    hub = Hub(root, directory, project_token(token_path))
+    hub.read_tail()  # where the tail starts: a stream can be handed to the broadcast at once
+    return hub
+
+
+def last_port(port_path):
+    """The port the project's last hub had: a script tag pasted into a page keeps working."""
+    try:
+        with open(port_path) as handle:
+            return int(handle.read().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def stop_hub(hub, server):
+    """Tells every thread to stop and ends serve_forever, whatever fails on the way (the
+    project folder being deleted as the signal arrives, say): a hub that misses the
+    shutdown would hold its port for ever, deaf to every later signal."""
+    hub.stopping.set()
+    try:
+        hub.changed()
+        with hub.store() as store:
+            wake_waiters(store)  # every parked inbox reader: the wait is cut short
+    except Exception as exc:  # noqa: BLE001 — the shutdown below must happen
+        write_err("pinbox: stopping the hub: %s\n" % exc)
+    finally:
+        server.shutdown()
+
+
+def handle_stop_signals(hub, server):
+    """SIGTERM and SIGINT stop the hub. A handler takes no locks (the main thread may
+    hold them): a thread does the work. A second signal, while the first one's teardown
+    hangs (a store locked by another process, say), ends the process where it stands."""
+    import signal
+    import threading
+
+    def on_signal(signum, frame):
+        if hub.stopping.is_set():
+            raise SystemExit(128 + signum)
+        hub.stopping.set()
+        threading.Thread(target=stop_hub, args=(hub, server), daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+
+def watch_idle(hub, server):
+    """Stops the hub after PINBOX_IDLE_MS without a request (a page with a stream or
+    socket open, or a push under way, counts as one), or once its project folder is gone
+    (a `git worktree remove`, a test's temporary folder)."""
+    idle = env_number("PINBOX_IDLE_MS", 1800000) / 1000.0
+    while not hub.stopping.wait(0.2):
+        if not os.path.isdir(hub.root):
+            stop_hub(hub, server)
+        elif hub.streams or hub.toolbars or hub.pushing or hub.pushes.running:
+            server.activity.touch()
+        elif server.activity.idle_for() > idle:
+            stop_hub(hub, server)
+
+
+def finish_requests(hub, server, owner):
+    """After serve_forever: requests in flight (a cut-short wait, say) get their answer,
+    and pushes still running are left for the next hub."""
+    deadline = time.monotonic() + 2
+    while server.active and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        release_leases(hub, owner)
+    except Exception as exc:  # noqa: BLE001 — shutting down goes on; the next hub releases them anyway
+        write_err("pinbox: could not release deliveries in flight: %s\n" % exc)
+
+
+# ============================================================================
+# Hub: finding and starting hubs
+# ============================================================================
+
+def hub_files(root):
+    """(state dir, hub.json, token file, last port file, lock file, server.json)."""
+    state = state_dir(root)
+    return (state, os.path.join(state, "hub.json"), os.path.join(state, "token"), os.path.join(state, "port"),
+            os.path.join(state, "hub.lock"), os.path.join(store_dir(root), "server.json"))
+
+
+def project_token(token_path):
+    """The project's bearer token: made once, kept across restarts, so a script tag
+    pasted into a page keeps working."""
+    import secrets
+    try:
+        with open(token_path) as handle:
+            token = handle.read().strip()
+        if len(token) >= 32:
+            return token
+    except OSError:
+        pass
+    token = secrets.token_urlsafe(24)
+    write_file(token_path, token + "\n", private=True)
+    return token
+
+
+def read_hub_json(path):
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+        if isinstance(data.get("pid"), int) and isinstance(data.get("port"), int) and isinstance(data.get("token"), str):
+            return data
+    except (OSError, ValueError, AttributeError):
+        pass
+    return None
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed hub nobody reaped yet is a zombie: gone, though kill() still finds it
+        with open("/proc/%d/stat" % pid) as handle:
+            return handle.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def running_hub(root):
+    """hub.json of a hub that is alive for this project, or None."""
+    data = read_hub_json(hub_files(root)[1])
+    return data if data and pid_alive(data["pid"]) else None
+
+
+def wait_for_hub(root, timeout):
+    """running_hub, waiting up to `timeout` seconds for one that is starting."""
+    deadline = time.monotonic() + timeout
+    other = running_hub(root)
+    while other is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        other = running_hub(root)
+    return other
+
+
+def ensure_hub(root, quick=False):
+    """Starts the project's hub in the background when none runs (so the page toolbar
+    and push delivery work whenever someone works here), without waiting for it. Its
+    own session, stdin from /dev/null, output to .pinbox/hub.log: never the caller's
+    pipes, which an agent waits on. `quick` (the agent hooks, on every prompt) trusts
+    .pinbox/server.json, which exists while a hub runs, and skips the full check (6 ms:
+    hashing the project path and reading the state file)."""
+    if os.environ.get("PINBOX_NO_SPAWN"):
+        return None
+    directory = store_dir(root)
+    if quick and os.path.exists(os.path.join(directory, "server.json")):
+        return None
+    if running_hub(root):
+        return None
+    if not os.path.exists(os.path.join(directory, "pinbox.db")):
+        return None
+    command = [sys.executable or "python3", "-I", "-S", self_path(), "serve", "--project", root]
+    if not os.path.isfile(self_path()):
+        return None
+    pid = os.fork()
+    if pid == 0:  # the child becomes the hub
+        try:
+            os.setsid()
+            null = os.open(os.devnull, os.O_RDONLY)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW  # novermin (flags, not a type union)
+            log = os.open(os.path.join(directory, "hub.log"), flags, 0o600)
+            os.dup2(null, 0)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            os.closerange(3, 256)
+            os.execv(command[0], command)
+        finally:
+            os._exit(127)
+    return pid
+
+
+def start_hub_quietly(root, quick=False):
+    """ensure_hub for a command that already did its job: a hub that cannot start is
+    one line on stderr, never a failed command."""
+    try:
+        ensure_hub(root, quick)
+    except Exception as exc:
+        write_err("pinbox: could not start the hub: %s\n" % exc)
+
+
+# ============================================================================
+# Hook I/O: what a hook reads and prints
+# ============================================================================
+
+HOOK_TIMEOUT_S = 0.5  # a hook gives up on a locked store fast: the agent or commit goes on
+
+def read_hook_payload():
+    """The agent's hook payload: a JSON object on stdin."""
+    data = b"" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.buffer.read()
+    try:
+        payload = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        payload = None
+    if not isinstance(payload, dict):
+        raise invalid("hook payload on stdin is not a JSON object",
+                      "pipe the agent's hook payload JSON into this command, or drop --hook")
+    return payload
+
+
+HERMES_EVENTS = ("on_session_start", "pre_llm_call", "on_session_end", "on_session_finalize")
+
+
+def fingerprint_agent(payload):
+    """Which agent runs this hook, when --agent does not say: its environment, or the
+    shape of its payload."""
+    if os.environ.get("CLAUDECODE"):
+        return "claude"
+    if os.environ.get("HERMES_SESSION_ID") or payload.get("hook_event_name") in HERMES_EVENTS:
+        return "hermes"
+    if any(os.environ.get(n) for n in ("CODEX_THREAD_ID", "CODEX_SANDBOX", "CODEX_HOME")):
+        return "codex"
+    if os.environ.get("HERMES_HOME"):
+        return "hermes"
+    raise invalid("cannot fingerprint the agent from the environment", "pass --agent <%s>" % "|".join(AGENTS))
+
+
+def hook_identity(args, payload):
+    """(agent, key, cwd) of the session a hook runs for."""
+    agent = args.agent or fingerprint_agent(payload)
+    key = args.key or payload.get("session_id")
+    if not isinstance(key, str) or not key:
+        raise invalid("hook payload carries no session_id",
+                      "pass --key <key>, or pipe the agent's hook payload JSON on stdin")
+    cwd = args.cwd or payload.get("cwd")
+    return agent, key, cwd if isinstance(cwd, str) and cwd else None
+
+
+def hook_context_output(agent, payload, context):
+    """The prompt hook's stdout, in the shape each agent reads."""
+    if agent == "hermes":
+        return {"context": context}
+    event = payload.get("hook_event_name")
+    return {"hookSpecificOutput": {"hookEventName": event if isinstance(event, str) and event else "UserPromptSubmit",
+                                   "additionalContext": context}}
+
+
+def write_env_file(session):
+    """Claude Code runs `export` lines from $CLAUDE_ENV_FILE before each Bash command:
+    the session's later `pinbox reply --as agent` knows who it is."""
+    path = os.environ.get("CLAUDE_ENV_FILE")
+    if not path:
+        return
+    line = "export PINBOX_SESSION=%s\n" % session["id"]
+    text = read_text(path) or ""
+    if line not in text:
+        write_file(path, text + ("\n" if text and not text.endswith("\n") else "") + line)
+
+
+# ============================================================================
+# Installers: git and agent hooks, .gitignore
+# ============================================================================
+
+# The hook commands load this very file from its cached bytecode: running a large script
+# compiles it on every call, which would cost every prompt and every commit ~80 ms. The
+# folder is appended to sys.path, so nothing beside pinbox.py can shadow the stdlib.
+# A pinbox that was moved or deleted makes the hook a silent no-op, never a traceback.
+_BOOT_IMPORT = "import sys,os;os.path.exists(%s) or sys.exit(0);sys.path.append(%s);__import__(%s).main()"
+# A copy without the .py suffix (pinbox on PATH) is loaded by path.
+_BOOT_LOADER = ("import sys,os;os.path.exists(%s) or sys.exit(0);from importlib.machinery import SourceFileLoader as L;"
+                "from importlib.util import spec_from_loader as S,module_from_spec as M;"
+                'l=L("pinbox",%s);m=M(S("pinbox",l));sys.modules["pinbox"]=m;l.exec_module(m);m.main()')
+
+
+def self_path():
+    return os.path.abspath(__file__)
+
+
+def hook_command(args):
+    """A shell command running this copy of pinbox with `args`, as fast as Python can:
+    an absolute interpreter (no pyenv shim), no site-packages (-S), isolated (-I)."""
+    import shlex
+    python = sys.executable or "python3"
+    path = self_path()
+    if not os.path.isfile(path):
+        # Inside a zipapp: run the archive itself.
+        archive = path
+        while archive and not os.path.isfile(archive):
+            archive = os.path.dirname(archive)
+        return shlex.join([python, "-I", "-S", archive] + list(args))
+    command = [python, "-I", "-S"]
+    if not os.access(os.path.dirname(path), os.W_OK):
+        cache = os.path.join(os.path.expanduser("~"), ".cache", "pinbox", "pycache")
+        command += ["-X", "pycache_prefix=" + cache]
+    folder, name = os.path.split(path)
+    if name.endswith(".py"):
+        boot = _BOOT_IMPORT % (json.dumps(path), json.dumps(folder), json.dumps(name[:-3]))
+    else:
+        boot = _BOOT_LOADER % (json.dumps(path), json.dumps(path))
+    return shlex.join(command + ["-c", boot] + list(args))
+
+
+GIT_HOOK_BEGIN = "# >>> pinbox: resolves pins named by Fixes/Resolves/Closes (undo: pinbox init --uninstall)"
+GIT_HOOK_END = "# <<< pinbox"
+
+
+def git_hook_block():
+    line = hook_command(["session", "trailer", "--hook"]) + " </dev/null || true"
+    return "%s\n%s\n%s\n" % (GIT_HOOK_BEGIN, line, GIT_HOOK_END)
+
+
+def git_hooks_path(root):
+    """The post-commit path git will run, honouring core.hooksPath and worktrees."""
+    out = git_output(["rev-parse", "--git-path", "hooks"], root)
+    if not out or not out.strip():
+        return None
+    return os.path.join(os.path.normpath(os.path.join(root, out.strip())), "post-commit")
+
+
+def _split_block(text):
+    """(before, block, after) around pinbox's marked block, or None without one."""
+    begin = text.find(GIT_HOOK_BEGIN)
+    if begin < 0:
+        return None
+    end = text.find(GIT_HOOK_END, begin)
+    if end < 0:
+        return None
+    end = text.find("\n", end)
+    end = len(text) if end < 0 else end + 1
+    return text[:begin], text[begin:end], text[end:]
+
+
+def _is_shell_script(text):
+    first = text.split("\n", 1)[0]
+    if not first.startswith("#!"):
+        return True  # git runs a hook without a shebang through sh
+    interpreter = first[2:].strip().split()
+    names = [os.path.basename(part) for part in interpreter[:2]]
+    return any(name in ("sh", "bash", "dash", "zsh", "ksh", "ash") for name in names)
+
+
+def plan_git_hook(root, uninstall=False):
+    """Installing (or removing) pinbox's post-commit line, as a Plan."""
+    path = git_hooks_path(root)
+    if path is None:
+        return init_step(Plan("git-hook", None, "skipped-no-git"), "gitHook", "no git repo — skipped")
+    outcome, text, note = git_hook_change(path, uninstall)
+    try:
+        mode = (os.stat(path).st_mode & 0o777) | 0o111
+    except OSError:
+        mode = 0o755
+    return init_step(Plan("git-hook", path, outcome, text, [note] if note else (), mode=mode, remove_empty=True),
+                     "gitHook")
+
+
+def git_hook_change(path, uninstall):
+    """(outcome, new text or None, note) for the post-commit hook at `path`."""
+    block = git_hook_block()
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read()
+    except FileNotFoundError:
+        if uninstall:
+            return "absent", None, None
+        return "installed", "#!/bin/sh\n" + block, None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    parts = _split_block(text) if text is not None else None
+    if uninstall:
+        if parts is None:
+            return "absent", None, None
+        rest = parts[0] + parts[2]
+        return "removed", "" if rest.strip() in ("", "#!/bin/sh") else rest, None
+    if parts is not None:
+        if parts[1] == block:
+            return "unchanged", None, None
+        return "updated", parts[0] + block + parts[2], None
+    if text is None or not _is_shell_script(text):
+        line = block.split("\n")[1]
+        return "kept", None, "%s is not a shell script; add this line to it yourself:\n  %s" % (path, line)
+    # Our block goes right after the shebang, so an `exit` or `exec` later in the
+    # user's hook cannot skip it; the user's hook runs on unchanged after it.
+    if text.startswith("#!"):
+        head, _, tail = text.partition("\n")
+        return "added", head + "\n" + block + tail, None
+    return "added", block + text, None
+
+
+def init_step(plan, key, detail=None):
+    """A Plan of init's own (the store, .gitignore, the git hook), reported as a field."""
+    plan.key, plan.detail = key, detail
+    return plan
+
+
+# --- Agent hook installers ---------------------------------------------------------
+# Each plan_* returns a Plan: what would change, so that --dry-run and a real run take
+# the same path, and a second run finds nothing to do (it changes no byte).
+
+class Plan:
+    """One file `init` would change: its new text (None: nothing to write), the outcome
+    reported, and notes for the person. A file emptied by --uninstall that pinbox made
+    (`remove_empty`) is removed; `mode` is forced on the file (else it keeps its own)."""
+
+    def __init__(self, name, path, outcome, text=None, notes=(), mode=None, remove_empty=False):
+        self.name, self.path, self.outcome, self.text, self.notes = name, path, outcome, text, list(notes)
+        self.mode, self.remove_empty = mode, remove_empty
+        self.key = None  # set for init's own steps: their outcome is a field of the report
+        self.detail = None  # the line shown for it, when not "<outcome> <path>"
+        self.make = None  # what applying it does, when it is not writing a file
+
+    def apply(self):
+        if self.make is not None:
+            self.make()
+        if self.text is None:
+            return
+        if self.text == "" and self.outcome == "removed" and self.remove_empty:
+            os.unlink(self.path)
+        else:
+            write_file(self.path, self.text, self.mode)
+
+    def report(self):
+        return ordered({"target": self.name, "outcome": self.outcome, "path": self.path,
+                        "notes": self.notes or None}, ("target", "outcome", "path", "notes"))
+
+
+def outcome_for(old, new):
+    if old == new:
+        return "unchanged"
+    return "installed" if old is None else "updated"
+
+
+# (agent event, pinbox verb, timeout in seconds or None) for each agent's hooks.
+CLAUDE_HOOKS = (("SessionStart", "register", None), ("UserPromptSubmit", "inject", None),
+                ("Stop", "pending", None), ("SessionEnd", "end", None))
+CODEX_HOOKS = (("SessionStart", "register", 30), ("UserPromptSubmit", "inject", 30),
+               ("Stop", "pending", 30), ("SessionEnd", "end", 3))  # Codex caps SessionEnd at 3 s
+HERMES_HOOKS = (("on_session_start", "register"), ("pre_llm_call", "inject"),
+                ("on_session_finalize", "end"))  # on_session_end fires after every turn
+
+
+SHELL_TAIL = " || true"  # even a missing interpreter must not fail the agent's turn
+
+
+def agent_hook_command(agent, verb):
+    """Claude Code and Codex run hook commands through a shell; Hermes splits them into
+    argv itself, so its command gets no shell syntax."""
+    command = hook_command(["session", verb, "--hook", "--agent", agent])
+    return command if agent == "hermes" else command + SHELL_TAIL
+
+
+def is_pinbox_handler(handler, agent, verb):
+    command = handler.get("command") if isinstance(handler, dict) else None
+    if not isinstance(command, str) or "pinbox" not in command:
+        return False
+    if command.endswith(SHELL_TAIL):
+        command = command[:-len(SHELL_TAIL)]
+    return command.endswith("session %s --hook --agent %s" % (verb, agent))
+
+
+def merge_json_hooks(config, agent, table, uninstall):
+    """Puts pinbox's handler for each event into an agent's JSON hook settings (or takes
+    it out), keeping every other key, group and handler as it was."""
+    hooks = config.get("hooks", {})
+    if not isinstance(hooks, dict):
+        raise ValueError('"hooks" is not an object')
+    for event, verb, timeout in table:
+        ours = {"type": "command", "command": agent_hook_command(agent, verb)}
+        if timeout:
+            ours["timeout"] = timeout
+        groups = hooks.get(event, [])
+        if not isinstance(groups, list):
+            raise ValueError('"hooks.%s" is not a list' % event)
+        placed = False
+        for group in groups:
+            handlers = group.get("hooks") if isinstance(group, dict) else None
+            if not isinstance(handlers, list):
+                continue
+            kept = []
+            for handler in handlers:
+                if not is_pinbox_handler(handler, agent, verb):
+                    kept.append(handler)
+                elif not uninstall and not placed:
+                    kept.append(ours)
+                    placed = True
+            group["hooks"] = kept
+        groups = [g for g in groups if not (isinstance(g, dict) and g.get("hooks") == [])]
+        if not uninstall and not placed:
+            groups.append({"hooks": [ours]})
+        if groups:
+            hooks[event] = groups
+        else:
+            hooks.pop(event, None)
+    if hooks:
+        config["hooks"] = hooks
+    else:
+        config.pop("hooks", None)
+    return config
+
+
+def json_indent(text):
+    for line in (text or "").splitlines()[1:]:
+        stripped = line.lstrip(" ")
+        if stripped and len(stripped) < len(line):
+            return len(line) - len(stripped)
+    return 2
+
+
+def plan_json_settings(name, path, agent, table, uninstall, extra=None):
+    old = read_text(path)
+    if old is None and uninstall:
+        return Plan(name, path, "absent")
+    try:
+        config = json.loads(old) if old and old.strip() else {}
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+        config = merge_json_hooks(config, agent, table, uninstall)
+        if extra and not uninstall:
+            extra(config)
+    except ValueError as exc:
+        return Plan(name, path, "failed", notes=["%s is not usable (%s); left untouched — fix it and run "
+                                                 "`pinbox init` again" % (path, exc)])
+    new = json.dumps(config, indent=json_indent(old), ensure_ascii=False) + "\n"
+    if uninstall:
+        if new == old:
+            return Plan(name, path, "absent")
+        return Plan(name, path, "removed", new)
+    return Plan(name, path, outcome_for(old, new), None if new == old else new)
+
+
+def allow_pinbox_commands(config):
+    """Lets Claude run `pinbox …` without asking each time."""
+    permissions = config.setdefault("permissions", {})
+    if not isinstance(permissions, dict):
+        raise ValueError('"permissions" is not an object')
+    allow = permissions.setdefault("allow", [])
+    if not isinstance(allow, list):
+        raise ValueError('"permissions.allow" is not a list')
+    if "Bash(pinbox:*)" not in allow:
+        allow.append("Bash(pinbox:*)")
+
+
+def plan_claude(root, uninstall=False, trust=False):
+    return [plan_json_settings("claude", os.path.join(root, ".claude", "settings.json"), "claude", CLAUDE_HOOKS,
+                               uninstall, allow_pinbox_commands)]
+
+
+def codex_home():
+    return os.environ.get("CODEX_HOME") or os.path.join(os.path.expanduser("~"), ".codex")
+
+
+def codex_trust_hash(event, handler):
+    """Codex trusts a hook by this hash of its definition (verified against
+    `codex app-server` hooks/list)."""
+    import hashlib
+    definition = {"event_name": _snake(event), "hooks": [dict(handler, timeout=handler.get("timeout", 600),
+                                                              **{"async": False})]}
+    blob = json.dumps(definition, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def _snake(name):
+    return "".join("_" + ch.lower() if ch.isupper() else ch for ch in name).lstrip("_")
+
+
+def marked_block_plan(name, path, begin, end, body, uninstall, clash=None):
+    """A block of lines between two marker comments in a config file pinbox does not
+    own (TOML, YAML): added, replaced or removed without touching the rest."""
+    old = read_text(path)
+    text = old or ""
+    parts = None
+    start = text.find(begin + "\n")
+    if start >= 0:
+        stop = text.find(end + "\n", start)
+        if stop >= 0:
+            parts = text[:start], text[stop + len(end) + 1:]
+    if uninstall:
+        if parts is None:
+            return Plan(name, path, "absent")
+        return Plan(name, path, "removed", parts[0] + parts[1])
+    rest = parts[0] + parts[1] if parts else text
+    if clash and clash(rest):
+        return Plan(name, path, "kept", notes=[clash(rest)])
+    block = "%s\n%s%s\n" % (begin, body, end)
+    if parts is not None:
+        new = parts[0] + block + parts[1]
+    else:
+        new = text + ("\n" if text and not text.endswith("\n") else "") + block
+    return Plan(name, path, outcome_for(old, new), None if new == old else new)
+
+
+def plan_codex(root, uninstall=False, trust=False):
+    hooks_path = os.path.join(root, ".codex", "hooks.json")
+    plans = [plan_json_settings("codex", hooks_path, "codex", CODEX_HOOKS, uninstall)]
+    config = os.path.join(codex_home(), "config.toml")
+    begin, end = "# >>> pinbox trust for %s" % root, "# <<< pinbox trust for %s" % root
+    if uninstall or trust:
+        merged = json.loads(plans[0].text or read_text(hooks_path) or "{}") if plans[0].outcome != "failed" else {}
+        existing = read_text(config) or ""
+        outside = existing.split(begin)[0] + existing.split(end)[-1] if begin in existing else existing
+        body = [] if uninstall else codex_trust_lines(root, hooks_path, merged, outside)
+        plans.append(marked_block_plan("codex-trust", config, begin, end, "".join(body), uninstall))
+    elif plans[0].outcome in ("installed", "updated", "unchanged"):
+        plans[0].notes.append(
+            "Codex runs only hooks it trusts, in a trusted project: start `codex` in %s once, trust the project and "
+            "approve pinbox's hooks in /hooks — or run `pinbox init --agent codex --trust` to record that trust in %s"
+            % (root, config))
+    return plans
+
+
+def _toml_key(text):
+    return '"%s"' % text.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def codex_trust_lines(root, hooks_path, config, outside):
+    """TOML tables trusting the project and pinbox's hooks; a table the user's own
+    config already has is left to them (TOML forbids defining one twice)."""
+    lines = []
+
+    def table(header, line):
+        if header not in outside:
+            lines.extend([header + "\n", line + "\n"])
+
+    table("[projects.%s]" % _toml_key(root), 'trust_level = "trusted"')
+    for event, verb, _ in CODEX_HOOKS:
+        for g, group in enumerate(config.get("hooks", {}).get(event, [])):
+            for h, handler in enumerate(group.get("hooks", []) if isinstance(group, dict) else []):
+                if is_pinbox_handler(handler, "codex", verb):
+                    key = "%s:%s:%d:%d" % (hooks_path, _snake(event), g, h)
+                    table("[hooks.state.%s]" % _toml_key(key), 'trusted_hash = "%s"' % codex_trust_hash(event, handler))
+    return lines
+
+
+def hermes_home():
+    return os.environ.get("HERMES_HOME") or os.path.join(os.path.expanduser("~"), ".hermes")
+
+
+def plan_hermes(root, uninstall=False, trust=False):
+    """Hermes reads shell hooks from its own config.yaml (for every project: a hook in
+    a folder without .pinbox/ does nothing). pinbox owns one marked `hooks:` block."""
+    path = os.path.join(hermes_home(), "config.yaml")
+    body = "hooks:\n" + "".join('  %s:\n    - command: %s\n' % (event, json.dumps(agent_hook_command("hermes", verb)))
+                                for event, verb in HERMES_HOOKS)
+
+    def clash(rest):
+        if any(line.startswith("hooks:") for line in rest.splitlines()):
+            return ("%s already has a `hooks:` section; add these entries to it yourself:\n%s"
+                    % (path, body.split("\n", 1)[1]))
+        return None
+
+    plans = [marked_block_plan("hermes", path, "# >>> pinbox hooks", "# <<< pinbox hooks", body, uninstall, clash)]
+    if trust or uninstall:
+        plans.append(plan_hermes_allowlist(uninstall))
+    elif plans[0].outcome in ("installed", "updated", "unchanged"):
+        plans[0].notes.append("Hermes skips shell hooks it has not approved when it runs without a terminal: run "
+                              "`hermes` once and approve them, pass --accept-hooks, or run `pinbox init --agent "
+                              "hermes --trust` to record the approval in %s"
+                              % os.path.join(hermes_home(), "shell-hooks-allowlist.json"))
+    return plans
+
+
+def plan_hermes_allowlist(uninstall):
+    path = os.path.join(hermes_home(), "shell-hooks-allowlist.json")
+    old = read_text(path)
+    try:
+        data = json.loads(old) if old else {}
+        approvals = data.setdefault("approvals", [])
+        if not isinstance(approvals, list):
+            raise ValueError('"approvals" is not a list')
+    except (ValueError, AttributeError) as exc:
+        return Plan("hermes-trust", path, "failed", notes=["%s is not usable (%s); left untouched" % (path, exc)])
+    ours = [{"event": event, "command": agent_hook_command("hermes", verb)} for event, verb in HERMES_HOOKS]
+    mine = [a for a in approvals if isinstance(a, dict) and is_pinbox_handler(a, "hermes", _HERMES_VERB.get(
+        a.get("event"), "?"))]
+    data["approvals"] = [a for a in approvals if a not in mine] + ([] if uninstall else ours)
+    new = json.dumps(data, indent=2) + "\n"
+    if uninstall:
+        return Plan("hermes-trust", path, "removed" if mine else "absent", new if mine else None)
+    return Plan("hermes-trust", path, outcome_for(old, new), None if new == old else new)
+
+
+_HERMES_VERB = {event: verb for event, verb in HERMES_HOOKS}
+AGENT_INSTALLERS = {"claude": plan_claude, "codex": plan_codex, "hermes": plan_hermes}
+
+
+def detected_agents(root):
+    """Agents that look installed here: their binary on PATH or their config folder."""
+    found = []
+    for agent, folder in (("claude", "~/.claude"), ("codex", "~/.codex"), ("hermes", "~/.hermes")):
+        if _which(agent) or os.path.isdir(os.path.expanduser(folder)):
+            found.append(agent)
+    return found
+
+
+def plan_gitignore(root):
+    """The `.pinbox/` line in the project's .gitignore, as a Plan. A .gitignore that is
+    a symlink is left alone: it may point outside the repo (a cloned repo can ship one)."""
+    path = os.path.join(root, ".gitignore")
+    if os.path.islink(path):
+        plan = Plan(".gitignore", path, "kept", notes=["%s is a symlink; pinbox writes no file through one — add "
+                                                       "`.pinbox/` to the file it points to yourself" % path])
+        return init_step(plan, "gitignore", "kept: .gitignore is a symlink")
+    try:
+        with open(path, encoding="utf-8", errors="surrogateescape") as handle:
+            text = handle.read()
+    except FileNotFoundError:
+        text = None
+    if text is None:
+        outcome, new = "created", ".pinbox/\n"
+    elif any(line.strip() in (".pinbox/", ".pinbox", "/.pinbox/", "/.pinbox") for line in text.splitlines()):
+        outcome, new = "unchanged", None
+    else:
+        outcome, new = "appended", text + ("\n" if text and not text.endswith("\n") else "") + ".pinbox/\n"
+    return init_step(Plan(".gitignore", path, outcome, new), "gitignore", outcome + " (.pinbox/ entry)")
+
+
+def plan_store(ctx):
+    """The project's .pinbox/ folder and database, as a Plan."""
+    exists = os.path.exists(os.path.join(store_dir(ctx.root), "pinbox.db"))
+    plan = init_step(Plan(".pinbox", store_dir(ctx.root), "unchanged" if exists else "created"), "pinboxDir")
+    plan.detail = plan.outcome
+    plan.make = lambda: ctx.store  # opening the store makes it
+    return plan
+
+
+# ============================================================================
+# CLI: output
+# ============================================================================
+
+class Output:
+    """Where a verb's result goes: the JSON envelope when --json is given or stdout is
+    not a terminal, else facts on stdout and counts on stderr."""
+
+    def __init__(self, json_mode, asked=False):
+        self.json = json_mode
+        self.asked = asked  # --json was given (not just a pipe)
+
+    def result(self, data, facts=None, note=None):
+        if self.json:
+            write_out(json.dumps({"ok": True, "data": data}, indent=2, ensure_ascii=False) + "\n")
+            return
+        if facts:
+            write_out(facts if facts.endswith("\n") else facts + "\n")
+        if note:
+            write_err(note + "\n")
+
+    def error(self, err):
+        if self.json:
+            write_out(json.dumps(err.envelope(), indent=2, ensure_ascii=False) + "\n")
+        else:
+            write_err("pinbox: %s\n%s" % (err.message, err.hint + "\n" if err.hint else ""))
+
+
+def write_out(text):
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def write_err(text):
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
+def pad_columns(rows):
+    """Rows of cells, every column but the last padded to its widest cell."""
+    if not rows:
+        return ""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines = []
+    for row in rows:
+        cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])] + [row[-1]]
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def one_line(text):
+    first, _, rest = text.partition("\n")
+    return first + (" …" if rest.strip() else "")
+
+
+# ============================================================================
+# CLI: verbs
+# ============================================================================
+
+class Context:
+    """What every verb gets: its parsed arguments, the output, and (opened on first
+    use) the project's store."""
+
+    def __init__(self, args, output, cwd=None, timeout=BUSY_TIMEOUT_S):
+        self.args = args
+        self.out = output
+        self.cwd = cwd or os.getcwd()
+        self.timeout = timeout
+        self.payload = {}
+        self.identity = None  # (agent, key, cwd) once read
+        self._store = None
+
+    @property
+    def root(self):
+        return find_root(self.cwd)
+
+    @property
+    def store(self):
+        """The store for writing: made on first use."""
+        if self._store is None or not self._store.exists:
+            self.close()
+            self._store = Store(store_dir(self.root), self.timeout)
+        return self._store
+
+    @property
+    def reader(self):
+        """The store for reading: an empty one when the project has none yet."""
+        if self._store is None:
+            self._store = Store(store_dir(self.root), self.timeout, create=False)
+        return self._store
+
+    def close(self):
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+
+def read_text_arg(value, what):
+    """A text argument; `-` means read it from stdin (multi-line text, any bytes)."""
+    if value != "-":
+        return value
+    data = sys.stdin.buffer.read(MAX_TEXT_BYTES * 4 + 1)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise invalid("%s on stdin is not valid UTF-8" % what,
+                      "pinbox stores text as UTF-8; convert it first (for example with iconv -t UTF-8)")
+
+
+def git_stamp(root):
+    """The branch and commit the project is on, for a new pin's env (empty outside git
+    or before the first commit)."""
+    out = git_output(["rev-parse", "HEAD", "--abbrev-ref", "HEAD"], root)
+    lines = (out or "").split()
+    if len(lines) != 2:
+        return {}
+    return {"branch": lines[1], "commit": lines[0]}
+
+
+def git_author(cwd):
+    out = git_output(["config", "--get-regexp", r"^user\.(name|email)$"], cwd) or ""
+    found = {}
+    for line in out.splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip():
+            found[key.split(".")[-1]] = value.strip()
+    author = {"userId": found.get("email") or os.environ.get("USER") or "unknown"}
+    author.update((k, found[k]) for k in ("name", "email") if k in found)
+    return author
+
+
+def file_source(raw, cwd):
+    """`--file path[:line]` → a source target relative to the file's repository."""
+    path, line = raw, None
+    head, sep, tail = raw.rpartition(":")
+    if sep and head and tail.isdigit():
+        path, line = head, int(tail)
+    full = os.path.normpath(os.path.join(cwd, path))
+    if not os.path.isfile(full):
+        raise invalid('no such file: "%s"' % path, "--file takes a path that exists, optionally with :line")
+    folder, name = os.path.split(full)
+    prefix = git_output(["rev-parse", "--show-prefix"], folder)
+    if prefix is not None:
+        rel = prefix.strip() + name
+    elif full.startswith(os.path.abspath(cwd) + os.sep):
+        rel = os.path.relpath(full, cwd)
+    else:
+        rel = full
+    source = {"file": rel}
+    if line is not None:
+        source["line"] = line
+    source["via"] = "none"
+    return source
+
+
+def check_url(raw):
+    from urllib.parse import urlsplit
+    try:
+        parts = urlsplit(raw)
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
+        raise invalid('invalid --url: "%s" (expected an absolute URL)' % raw, usage_hint("pin"))
+    return raw
+
+
+def check_choice(value, flag, choices, verb):
+    if value is None or value in choices:
+        return value
+    expected = " or ".join(choices) if len(choices) == 2 else ", ".join(choices[:-1]) + ", or " + choices[-1]
+    raise invalid('invalid %s: "%s" (expected %s)' % (flag, value, expected), usage_hint(verb))
+
+
+def cmd_pin(ctx):
+    args = ctx.args
+    text = read_text_arg(args.text, "pin text").strip()
+    if not text:
+        raise invalid("pin text must not be empty", 'quote the text: pinbox pin "your text"')
+    clean_text(text, "pin text")
+    if args.selector is not None and args.url is None:
+        raise invalid("--selector needs --url (a selector without a page is not a target)", usage_hint("pin"))
+    target = {}
+    if args.url is not None:
+        target["url"] = check_url(args.url)
+    if args.selector is not None:
+        target["selector"] = args.selector
+    if args.file is not None:
+        target["source"] = file_source(args.file, ctx.cwd)
+    fields = {"text": text, "kind": "note"}
+    if target:
+        fields["target"] = target
+    root = ctx.root
+    fields["env"] = git_stamp(root)
+    fields["author"] = git_author(ctx.cwd)
+    pin = create_pin(ctx.store, fields)
+    if "source" in target:
+        note = "pinned to " + source_ref(target["source"])
+    elif "url" in target:
+        note = "pinned to " + target["url"]
+    else:
+        note = "pinned"
+    ctx.out.result(pin, pin["id"], note)
+
+
+def cmd_list(ctx):
+    status = check_choice(ctx.args.status, "--status", PIN_STATUSES, "list")
+    pins = list_pins(ctx.reader, status, ctx.args.search)
+    now = time.time()
+    rows = [[p["id"], p.get("status", "open"), relative_age(p.get("createdAt"), now).ljust(7),
+             pin_locus(p) or "—", one_line(p.get("text", ""))] for p in pins]
+    counts = {}
+    for p in pins:
+        counts[p.get("status")] = counts.get(p.get("status"), 0) + 1
+    note = "%d pin%s" % (len(pins), "" if len(pins) == 1 else "s")
+    parts = ["%d %s" % (counts[s], s) for s in PIN_STATUSES if counts.get(s)]
+    if parts:
+        note += " (%s)" % ", ".join(parts)
+    ctx.out.result(pins, pad_columns(rows), note)
+
+
+def render_show(pin, thread, now=None):
+    now = time.time() if now is None else now
+    target = pin.get("target") or {}
+    facts = []
+    if target.get("selector"):
+        facts.append(("target", target["selector"] + ("  <%s>" % target["tag"] if target.get("tag") else "")))
+    if source_ref(target.get("source")):
+        facts.append(("source", source_ref(target["source"])))
+    if target.get("url"):
+        facts.append(("url", target["url"]))
+    if isinstance(target.get("rect"), dict):
+        facts.append(("rect", format_rect(target["rect"])))
+    nearby = (target.get("context") or {}).get("nearbyText")
+    if nearby:
+        facts.append(("nearby", '"%s"' % nearby))
+    env = pin.get("env") or {}
+    viewport = env.get("viewport")
+    if isinstance(viewport, dict):
+        shown = "%sx%s@%sx" % tuple(js_number(viewport.get(k)) for k in ("w", "h", "dpr"))
+        for key in ("browser", "os", "colorScheme"):
+            if env.get(key):
+                shown += "  " + env[key]
+        facts.append(("env", shown))
+    git = [part for part in (env.get("branch"), (env.get("commit") or "")[:7]) if part]
+    if git:
+        facts.append(("git", " @ ".join(git)))
+    if (pin.get("author") or {}).get("userId"):
+        facts.append(("author", pin["author"]["userId"]))
+    if pin.get("agentSession"):
+        facts.append(("agent", "%s session %s" % (pin["agentSession"].get("agent"), pin["agentSession"].get("key"))))
+    facts.append(("created", "%s (%s)" % (pin.get("createdAt"), relative_age(pin.get("createdAt"), now))))
+    resolution = pin.get("resolution")
+    if resolution and pin.get("status") == "resolved":
+        line = "by %s, %s" % (resolution.get("by"), relative_age(resolution.get("at"), now))
+        if resolution.get("note"):
+            line += " — " + resolution["note"]
+        facts.append(("resolved", line))
+        if resolution.get("commit"):
+            facts.append(("commit", "%s (%s)" % (resolution["commit"][:7], resolution["commit"])))
+    verification = pin.get("verification")
+    if verification:
+        line = "%s, %s" % (verification.get("outcome"), relative_age(verification.get("at"), now))
+        if verification.get("note"):
+            line += " — " + verification["note"]
+        facts.append(("verified", line))
+    lines = ["%s  %s  %s" % (pin.get("id"), pin.get("status"), pin.get("kind", "note")),
+             "text      " + pin.get("text", "")]
+    lines += ["%s  %s" % (label.ljust(8), value) for label, value in facts]
+    if thread:
+        lines.append("")
+        lines.append(pad_columns([[m.get("role", ""), relative_age(m.get("at"), now), m.get("text", "")]
+                                  for m in thread]))
+    return "\n".join(lines)
+
+
+def cmd_show(ctx):
+    pin = get_pin(ctx.reader, ctx.args.id)
+    thread = get_thread(ctx.reader, pin["id"])
+    deliveries = deliveries_for_pin(ctx.reader, pin["id"])
+    facts = render_show(pin, thread)
+    shown = [d for d in deliveries if d["status"] != "skipped"]  # events that were never for agents
+    if shown:
+        facts += "\n\n" + pad_columns([["delivery", d["event"], d.get("session") or "(no session yet)",
+                                          d["adapter"], d["status"] + (", %d attempt(s)" % d["attempts"] if d["attempts"]
+                                                                       else "") + (" — " + d["lastError"]
+                                                                                   if d.get("lastError") else "")]
+                                         for d in shown])
+    ctx.out.result({"pin": pin, "thread": thread, "deliveries": deliveries}, facts)
+
+
+def check_role(value, verb):
+    return check_choice(value, "--as", ("human", "agent"), verb)
+
+
+def me_or_none(ctx, store):
+    """The calling agent session (--session, else PINBOX_SESSION, else the agent's own
+    variables), or None."""
+    with store.guard():
+        return calling_session(store.conn, ctx.args.session)
+
+
+def speaking_session(ctx, role):
+    """The id of the agent session behind `--as agent`, when it can be told (§4.4)."""
+    if role != "agent":
+        return None
+    session = me_or_none(ctx, ctx.reader)
+    if session is None and ctx.args.session:
+        raise PinboxError("E_NOT_FOUND", "no session %s" % ctx.args.session,
+                          "run `pinbox session list` to see sessions (ses_… ids or agent:key)")
+    return session["id"] if session else None
+
+
+def cmd_reply(ctx):
+    role = check_role(ctx.args.role, "reply")
+    text = read_text_arg(ctx.args.text, "reply text")
+    message = add_message(ctx.store, ctx.args.id, role, text, session=speaking_session(ctx, role))
+    ctx.out.result(message, message["id"], "replied to %s as %s" % (message["pinId"], role))
+
+
+def cmd_resolve(ctx):
+    by = check_role(ctx.args.role, "resolve")
+    pin = resolve_pin(ctx.store, ctx.args.id, by, ctx.args.note, session=speaking_session(ctx, by))
+    ctx.out.result(pin, "%s resolved" % pin["id"],
+                   "by %s%s" % (by, " — " + ctx.args.note if ctx.args.note else ""))
+
+
+def cmd_reopen(ctx):
+    pin = verify_pin(ctx.store, ctx.args.id, "reopened", ctx.args.note)
+    ctx.out.result(pin, "%s reopened" % pin["id"],
+                   "by human%s" % (" — " + ctx.args.note if ctx.args.note else ""))
+
+
+def cmd_summary(ctx):
+    data = summary(ctx.reader)
+    facts = "\n".join(["open        %d" % data["open"], "resolved    %d" % data["resolved"],
+                       "sessions    %d" % data["sessions"], "last event  #%d" % data["lastEventSeq"]])
+    ctx.out.result(data, facts)
+
+
+def cmd_export(ctx):
+    args = ctx.args
+    fmt = args.format or ("json" if ctx.out.asked else "md")
+    # md prints markdown and reports errors on stderr even when piped (unless --json).
+    ctx.out.json = fmt == "json" or ctx.out.asked
+    check_choice(fmt, "--format", ("md", "json"), "export")
+    detail = check_choice(args.detail or "standard", "--detail", ("compact", "standard", "forensic"), "export")
+    status = check_choice(args.status, "--status", PIN_STATUSES, "export")
+    pins = list_pins(ctx.reader, status)
+    if fmt == "json":
+        ctx.out.result(pins)
+        return
+    text = markdown_pins(pins, detail)
+    if text:
+        write_out(text + "\n")
+
+
+def session_ref_args(ctx):
+    """(agent, key, cwd) from a hook payload (--hook) or from --agent/--key."""
+    args = ctx.args
+    if ctx.identity is not None:
+        return ctx.identity
+    if getattr(args, "hook", False):
+        ctx.payload = read_hook_payload()
+        ctx.identity = hook_identity(args, ctx.payload)
+        cwd = ctx.identity[2]
+        if cwd and os.path.isdir(cwd):
+            ctx.cwd = cwd  # the project is where the agent works
+        return ctx.identity
+    if not args.agent or not args.key:
+        raise invalid("missing --agent and --key",
+                      "pass --agent <name> --key <key>, or --hook with the agent's hook payload on stdin")
+    check_session_ref(args.agent, args.key)
+    ctx.identity = (args.agent, args.key, getattr(args, "cwd", None))
+    return ctx.identity
+
+
+def session_store(ctx, create=True):
+    """The store a session verb works on. None for a hook in a folder where pinbox was
+    never set up: a hook never makes a store (global agent hooks run everywhere)."""
+    if ctx.args.hook:
+        session_ref_args(ctx)  # the payload's cwd says which project this is
+        store = ctx.reader
+        return store if store.exists else None
+    return ctx.store if create else ctx.reader
+
+
+def cmd_session_register(ctx):
+    agent, key, cwd = session_ref_args(ctx)
+    store = session_store(ctx)
+    if store is None:
+        return 0
+    with store.write() as conn:
+        session, created = upsert_session(conn, agent, key, cwd)
+        claim_unassigned(conn, session)
+    if ctx.args.hook:
+        write_env_file(session)
+        return 0
+    ctx.out.result(session, session["id"], "%s %s session %s" % ("registered" if created else "refreshed", agent, key))
+
+
+def cmd_session_inject(ctx):
+    agent, key, cwd = session_ref_args(ctx)
+    store = session_store(ctx)
+    if store is None:
+        return 0
+    session, pins, arrivals, delivered = pull_for_session(store, agent, key, cwd)
+    mail = unread_mail_line(store, session["id"])
+    has_news = bool(pins) or bool(arrivals.messages) or bool(mail)
+    context = injection_context(pins, arrivals, [mail] if mail else [])
+    if ctx.args.hook:
+        if has_news:
+            write_out(dumps_compact(hook_context_output(agent, ctx.payload, context)) + "\n")
+        return 0
+    if ctx.args.raw:
+        if has_news:
+            write_out(context + "\n")
+        return 0
+    ctx.out.result({"session": session["id"], "context": context, "pins": pins, "delivered": delivered},
+                   context if has_news else None, "%d open pin(s), %d delivered" % (len(pins), delivered))
+
+
+def cmd_session_pending(ctx):
+    agent, key, _ = session_ref_args(ctx)
+    if ctx.args.hook:
+        store = session_store(ctx)
+        if store is None or agent not in ("claude", "codex"):
+            return 0  # Hermes has no Stop hook to hold
+        arrivals = collect_mid_turn(store, agent, key)
+        if len(arrivals):
+            write_out(dumps_compact({"decision": "block", "reason": stop_context(arrivals)}) + "\n")
+        return 0
+    pins = peek_pending(ctx.reader, agent, key)
+    ctx.out.result({"count": len(pins), "pins": pins}, "\n".join(p["id"] for p in pins) or None,
+                   "%d pending" % len(pins))
+
+
+def named_session(ctx, conn):
+    args = ctx.args
+    if getattr(args, "session", None) is not None or not hasattr(args, "agent"):
+        session = lookup_session(conn, args.session)
+        label = args.session
+    else:
+        agent, key, _ = session_ref_args(ctx)
+        session = find_session(conn, agent, key)
+        label = "%s:%s" % (agent, key)
+    if session is None:
+        raise PinboxError("E_NOT_FOUND", "no session %s" % label,
+                          "run `pinbox session list` to see sessions (ses_… ids or agent:key)")
+    return session
+
+
+def cmd_session_end(ctx):
+    store = session_store(ctx, create=False)
+    if store is None:
+        return 0
+    with store.write() as conn:
+        session = end_session(conn, named_session(ctx, conn))
+    if not ctx.args.hook:
+        ctx.out.result(session, session["id"], "ended %s session %s" % (session["agent"], session["key"]))
+
+
+def cmd_session_forget(ctx):
+    store = ctx.reader
+    with store.write() as conn:
+        session = named_session(ctx, conn)
+        forget_session(conn, session)
+    ctx.out.result(session, session["id"], "forgot %s session %s" % (session["agent"], session["key"]))
+
+
+def session_table(ctx, sessions, last_column):
+    """`session list` and `agent ls`: one row per session, a verb-specific last column."""
+    rows = [[s["id"], s["agent"], s["key"], "active" if is_live(s) else "ended", last_column(s)] for s in sessions]
+    ctx.out.result(sessions, pad_columns(rows) or None, "%d session(s)" % len(sessions))
+
+
+def cmd_session_list(ctx):
+    session_table(ctx, list_sessions(ctx.reader),
+                  lambda s: "seen " + relative_age(s.get("lastSeenAt")) + ("  " + s["cwd"] if s.get("cwd") else ""))
+
+
+def cmd_agent_post(ctx):
+    store = ctx.store
+    text = read_text_arg(ctx.args.text, "message")
+    me = me_or_none(ctx, store)
+    message, pending, unseen = post_message(store, ctx.args.target, text, me["id"] if me else None)
+    ctx.out.result({"id": message["id"], "session": message["session"], "pending": pending, "unseen": unseen},
+                   message["id"], "posted to %s: %d pending, %d unseen" % (message["session"], pending, unseen))
+
+
+def render_inbox(messages, now=None):
+    blocks = []
+    for m in messages:
+        head = "%s  from %s  %s%s" % (m["id"], m["from"] or "the user", relative_age(m["postedAt"], now),
+                                      "" if m["seen"] else "  [new]")
+        blocks.append(head + "\n" + "\n".join("    " + line for line in m["text"].split("\n")))
+    return "\n\n".join(blocks)
+
+
+def cmd_agent_inbox(ctx):
+    args = ctx.args
+    store = ctx.reader
+    me = me_or_none(ctx, store)
+    if args.target:
+        with store.guard():
+            session = lookup_session(store.conn, args.target)
+        if session is None:
+            raise PinboxError("E_NOT_FOUND", "no session %s" % args.target, "run `pinbox agent ls` to see sessions")
+    elif me is None:
+        raise invalid("whose inbox? this process is not an agent session",
+                      "pass the session (ses_… or agent:key), or --session / PINBOX_SESSION for your own")
+    else:
+        session = me
+    if args.wait:
+        import contextlib
+        import signal
+        import threading
+        cancelled = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda *_: cancelled.set())
+        timeout_ms = args.timeout if args.timeout is not None else 600000
+        outcome = wait_for_mail(lambda: contextlib.nullcontext(store), session, timeout_ms / 1000.0, cancelled)
+        if outcome == "gone":
+            raise PinboxError("E_NOT_FOUND", "session %s no longer exists" % session["id"],
+                              "run `pinbox agent ls` to see sessions")
+        if outcome != "mail":
+            raise PinboxError("E_TIMEOUT", "no new message within %d ms" % timeout_ms if outcome == "timeout"
+                              else "the wait was cut short", "run `pinbox agent inbox --wait` again")
+    messages = read_inbox(store, session, me["id"] if me else None)
+    with store.guard():
+        pending, unseen, _ = inbox_counts(store.conn, session["id"])
+    ctx.out.result({"session": session["id"], "messages": messages, "pending": pending, "unseen": unseen},
+                   render_inbox(messages) or None, "%d message(s) in %s's inbox" % (len(messages), session["id"]))
+
+
+def cmd_agent_ack(ctx):
+    store = ctx.reader
+    me = me_or_none(ctx, store)
+    if me is None:
+        raise PinboxError("E_FORBIDDEN", "only the receiving session acks its messages",
+                          "run this from the receiving session (PINBOX_SESSION or --session)")
+    acked = ack_messages(store, ctx.args.ids, me["id"])
+    ctx.out.result({"acked": acked}, None, "acked %d message(s)" % len(acked))
+
+
+def cmd_agent_ls(ctx):
+    session_table(ctx, inbox_summary(ctx.reader),
+                  lambda s: "inbox %d pending, %d new%s" % (s["inbox"]["pending"], s["inbox"]["new"],
+                                                           ", parked" if s["inbox"]["parked"] else ""))
+
+
+def cmd_session_trailer(ctx):
+    args = ctx.args
+    commit = read_commit(ctx.cwd, args.commit)
+    if commit is None:
+        raise invalid("git log failed: no commit %s here" % (args.commit or "HEAD"),
+                      "run from inside a git repository, or pass --commit <sha> that exists")
+    sha, message = commit
+    ids = trailer_ids(message)
+    resolved, skipped = [], []
+    if ids:
+        store = ctx.reader
+        if store.exists:
+            resolved, skipped = resolve_from_commit(store, ids, sha, committed_by())
+        else:
+            skipped = ids  # no store: every id is unknown here
+    done = ["resolved %s (%s)" % (pin_id, sha[:7]) for pin_id in resolved]
+    if args.hook:
+        # Inside `git commit`: one quiet line per resolved pin, nothing else.
+        if done:
+            write_err("".join("pinbox: %s\n" % line for line in done))
+        return 0
+    ctx.out.result({"resolved": resolved, "skipped": skipped}, None, "\n".join(done) or None)
+
+
+def parse_agents(raw):
+    if raw is None:
+        return None
+    names = [a.strip() for a in raw.split(",") if a.strip()]
+    if names == ["none"]:
+        return []
+    unknown = [a for a in names if a not in AGENT_INSTALLERS]
+    if unknown:
+        raise invalid("unknown agent target%s: %s" % ("s" if len(unknown) > 1 else "", ", ".join(unknown)),
+                      "valid targets: %s, none" % ", ".join(AGENT_INSTALLERS))
+    return list(dict.fromkeys(names))
+
+
+def init_agents(ctx, notes):
+    """The agents `init` wires: those named, else (with --yes) those found here; on
+    --uninstall, every agent."""
+    agents = parse_agents(ctx.args.agent)
+    if agents is not None:
+        return agents
+    if ctx.args.uninstall:
+        return list(AGENT_INSTALLERS)
+    found = detected_agents(ctx.root)
+    if ctx.args.yes:
+        return found
+    if found:
+        notes.append("agents found: %s — run `pinbox init --agent %s` to deliver pins to them"
+                     % (", ".join(found), ",".join(found)))
+    return []
+
+
+def cmd_init(ctx):
+    args, root = ctx.args, ctx.root
+    notes = []
+    agents = init_agents(ctx, notes)
+    plans = [] if args.uninstall else [plan_store(ctx), plan_gitignore(root)]
+    plans.append(plan_git_hook(root, uninstall=args.uninstall))
+    for agent in agents:
+        plans.extend(AGENT_INSTALLERS[agent](root, uninstall=args.uninstall, trust=args.trust))
+    report, lines, agent_reports = {}, [], []
+    for plan in plans:
+        if not args.dry_run:
+            plan.apply()
+        if plan.key:
+            report[plan.key] = plan.outcome
+        else:
+            agent_reports.append(plan.report())
+        notes.extend(plan.notes)
+        if not (args.uninstall and plan.outcome == "absent" and not plan.key):
+            lines.append((plan.name, plan.detail or "%s %s" % (plan.outcome, _rel(plan.path, root))))
+    report["agents"] = agent_reports
+    if args.dry_run:
+        notes.append("dry run: nothing was written")
+    report["notes"] = notes
+    facts = "\n".join("%s  %s  %s" % ("no" if detail.startswith(("kept", "failed")) else "ok", label.ljust(10), detail)
+                      for label, detail in lines)
+    ctx.out.result(report, facts, "\n".join(notes) or None)
+    return 1 if any(plan.outcome == "failed" for plan in plans) else 0
+
+
+def _rel(path, root):
+    rel = os.path.relpath(path, root)
+    return path if rel.startswith("..") else rel
+
+
+def doctor_checks(ctx):
+    checks = []
+
+    def check(name, probe):
+        try:
+            checks.append({"name": name, "ok": True, "detail": probe()})
+        except Exception as exc:  # a failing probe is a finding, not a crash
+            checks.append({"name": name, "ok": False, "detail": str(exc) or type(exc).__name__})
+
+    def probe_sqlite():
+        conn = sqlite3.connect(":memory:")
+        conn.execute("CREATE TABLE t(x)")
+        conn.execute("INSERT INTO t VALUES (1)")
+        assert conn.execute("SELECT x FROM t").fetchone() == (1,)
+        return "created and read a table in :memory: (SQLite %s)" % sqlite3.sqlite_version
+
+    def probe_fts():
+        conn = sqlite3.connect(":memory:")
+        try:
+            conn.execute("CREATE VIRTUAL TABLE t USING fts5(body)")
+        except sqlite3.OperationalError:
+            return "not in this SQLite build — search scans instead (slower)"
+        conn.execute("INSERT INTO t VALUES ('probe')")
+        conn.execute("SELECT * FROM t WHERE t MATCH 'probe'").fetchall()
+        return "MATCH query answered on a virtual table"
+
+    def probe_state_dir():
+        path = state_dir(ctx.root)
+        old = os.umask(0o077)
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            probe = os.path.join(path, ".probe-%d" % os.getpid())
+            write_file(probe, "ok", mode=0o600)
+            os.unlink(probe)
+        finally:
+            os.umask(old)
+        mode = os.stat(path).st_mode & 0o777
+        if mode & 0o077:
+            raise RuntimeError("%s is mode %04o; run chmod 700 on it" % (path, mode))
+        return "%s writable, mode %04o" % (path, mode)
+
+    def probe_db():
+        store = ctx.reader
+        if not store.exists:
+            folder = store.directory
+            while not os.path.isdir(folder):
+                folder = os.path.dirname(folder)
+            if not os.access(folder, os.W_OK):
+                raise RuntimeError("no store yet, and %s is not writable" % folder)
+            return "no store yet; %s is writable, so the first pin will make it" % folder
+        with store.guard():
+            store.conn.execute("BEGIN IMMEDIATE")
+            store.conn.execute("ROLLBACK")
+        return "%s opens for writing" % os.path.relpath(store.path, ctx.root)
+
+    def probe_deliveries():
+        store = ctx.reader
+        with store.guard():
+            failed = store.conn.execute("SELECT COUNT(*), MAX(last_error) FROM deliveries WHERE status = 'failed'"
+                                        ).fetchone()
+            stuck = store.conn.execute(
+                "SELECT COUNT(*) FROM deliveries WHERE status = 'pending' AND session_id IS NOT NULL AND "
+                "due_at IS NOT NULL AND due_at < ?", (iso_time(time.time() - 60),)).fetchone()[0]
+            waiting = store.conn.execute("SELECT COUNT(*) FROM deliveries WHERE status = 'pending' AND "
+                                         "session_id IS NULL").fetchone()[0]
+        if failed[0] or stuck:
+            raise RuntimeError("%d failed (last error: %s), %d overdue — `pinbox show <id>` lists a pin's deliveries"
+                               % (failed[0], failed[1], stuck))
+        return "none failed or overdue; %d waiting for a session to register" % waiting
+
+    check("sqlite", probe_sqlite)
+    check("fts5", probe_fts)
+    check("state-dir", probe_state_dir)
+    check("db-writable", probe_db)
+    check("deliveries", probe_deliveries)
+    return checks
+
+
+def cmd_serve(ctx):
+    args = ctx.args
+    root = os.path.abspath(args.project) if args.project else ctx.root
+    terminal = sys.stdout.isatty()
+
+    def ready(port, token):
+        url = "http://127.0.0.1:%d" % port
+        write_err("pinbox hub for %s listening at %s (pid %d)\n" % (root, url, os.getpid()))
+        if terminal:  # the token goes to a person's terminal, never to a log file
+            write_out("Add the toolbar to a page:\n  <script src=\"%s/toolbar.js\" data-token=\"%s\"></script>\n"
+                      "See pins, sessions and deliveries: %s/#token=%s\n" % (url, token, url, token))
+
+    outcome, other = run_hub(root, args.port, ephemeral_inbox=args.inbox_ephemeral, ready=ready)
+    if outcome == "already":
+        where = "http://127.0.0.1:%d (pid %d)" % (other["port"], other["pid"]) if other else "(starting up)"
+        write_err("pinbox: a hub already runs for %s at %s\n" % (root, where))
+    return 0
+
+
+def cmd_doctor(ctx):
+    checks = doctor_checks(ctx)
+    failing = [c for c in checks if not c["ok"]]
+    facts = "\n".join("%s  %s  %s" % ("ok" if c["ok"] else "no", c["name"].ljust(11), c["detail"]) for c in checks)
+    note = "%d checks, %s" % (len(checks), "%d failing" % len(failing) if failing else "all ok")
+    ctx.out.result({"checks": checks}, facts, note)
+    return 1 if failing else 0
+
+
+# ============================================================================
+# CLI: the parser
+# ============================================================================
+
+HOOK_VERBS = {"register": cmd_session_register, "inject": cmd_session_inject, "pending": cmd_session_pending,
+              "end": cmd_session_end, "trailer": cmd_session_trailer}
+
+VERBS = ("init", "pin", "list", "show", "reply", "resolve", "reopen", "summary", "export",
+         "doctor", "serve", "session", "agent")
+HIDDEN_VERBS = ("serve", "session", "agent")
+
+TOP_HELP = """Usage: pinbox [options] <command> [args]
+
+CLI-first feedback loop: pins dropped on a live app, fixed and resolved by agents.
+
+Options:
+  -V, --version                output the version number
+  --json                       machine output: {"ok":true,"data":…} envelope
+  -h, --help                   display help for command
+
+Commands:
+%s
+
+Run `pinbox <command> --help` for a command's options.
+"""
+
+
+def build_parser():
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise invalid(_parser_message(message))
+
+    common = Parser(add_help=False)
+    common.add_argument("--json", action="store_true", help='machine output: {"ok":true,"data":…} envelope')
+    parser = Parser(prog="pinbox", add_help=False, allow_abbrev=False)
+    parser.add_argument("-h", "--help", action="store_true")
+    parser.add_argument("-V", "--version", action="store_true")
+    verbs = parser.add_subparsers(dest="verb", parser_class=Parser)
+    summaries = []
+
+    def verb(name, summary, usage_args=""):
+        sub = verbs.add_parser(name, parents=[common], help=summary, description=summary, allow_abbrev=False)
+        if name not in HIDDEN_VERBS:
+            summaries.append(("%s %s" % (name, usage_args)).strip().ljust(29) + summary)
+        return sub
+
+    def speaker(p):
+        p.add_argument("--as", dest="role", default="human", help="human (default) or agent")
+        p.add_argument("--session", help="the agent session speaking (ses_… or agent:key; default $PINBOX_SESSION)")
+
+    p = verb("pin", "create a pin from the terminal", "[options] <text>")
+    p.add_argument("text", help="what is wrong (quote it; - reads it from stdin)")
+    p.add_argument("--file", metavar="path[:line]", help="anchor the pin to a source file")
+    p.add_argument("--url", help="the page the pin is about (absolute http(s) URL)")
+    p.add_argument("--selector", help="CSS selector of the element (needs --url)")
+    p.set_defaults(run=cmd_pin)
+
+    verb("summary", "counts and the event cursor, in one call").set_defaults(run=cmd_summary)
+
+    p = verb("list", "list pins, newest first", "[options]")
+    p.add_argument("--status", help="open or resolved")
+    p.add_argument("--search", metavar="text", help="only pins whose text or thread mentions this")
+    p.set_defaults(run=cmd_list)
+
+    p = verb("show", "one pin with its full thread", "<id>")
+    p.add_argument("id")
+    p.set_defaults(run=cmd_show)
+
+    p = verb("reply", "add a thread message to a pin", "[options] <id> <text>")
+    p.add_argument("id")
+    p.add_argument("text", help="the message (quote it; - reads it from stdin)")
+    speaker(p)
+    p.set_defaults(run=cmd_reply)
+
+    p = verb("resolve", "mark a pin resolved", "[options] <id>")
+    p.add_argument("id")
+    p.add_argument("--note", help="what was done")
+    speaker(p)
+    p.set_defaults(run=cmd_resolve)
+
+    p = verb("reopen", "reject a fix: open a resolved pin again", "[options] <id>")
+    p.add_argument("id")
+    p.add_argument("--note", help="why the fix is not right")
+    p.set_defaults(run=cmd_reopen)
+
+    p = verb("export", "write pins to stdout as markdown or JSON", "[options]")
+    p.add_argument("--format", help="md (default) or json")
+    p.add_argument("--detail", help="compact, standard (default) or forensic")
+    p.add_argument("--status", help="open or resolved")
+    p.set_defaults(run=cmd_export)
+
+    verb("doctor", "find out why a pin did not reach an agent").set_defaults(run=cmd_doctor)
+
+    p = verb("serve", "run the hub in the foreground (HTTP API, page toolbar, live updates)")
+    p.add_argument("--project", metavar="dir", help="project to serve (default: this one)")
+    p.add_argument("--port", type=int, help="port to bind on 127.0.0.1 (default: the last one, else any free)")
+    p.add_argument("--inbox-ephemeral", action="store_true", help="empty every agent inbox at start")
+    p.set_defaults(run=cmd_serve)
+
+    p = verb("init", "set up pinbox in this project: .pinbox/, .gitignore, the post-commit hook", "[options]")
+    p.add_argument("--dry-run", action="store_true", help="say what would change, change nothing")
+    p.add_argument("--yes", action="store_true", help="accept the defaults without asking")
+    p.add_argument("--agent", help="wire these agents' hooks: comma-separated claude, codex, hermes (or none)")
+    p.add_argument("--trust", action="store_true",
+                   help="also record that you trust the hooks pinbox writes (Codex and Hermes skip untrusted hooks)")
+    p.add_argument("--uninstall", action="store_true", help="take pinbox's hooks out again (the store stays)")
+    p.set_defaults(run=cmd_init)
+
+    session = verb("session", "plumbing for agent and git hooks")
+    session_verbs = session.add_subparsers(dest="session_verb", parser_class=Parser)
+
+    def session_verb(name, summary):
+        return session_verbs.add_parser(name, parents=[common], help=summary, description=summary,
+                                        allow_abbrev=False)
+
+    def identity(p, cwd=False):
+        p.add_argument("--agent", help="|".join(AGENTS))
+        p.add_argument("--key", help="the agent's own session id")
+        if cwd:
+            p.add_argument("--cwd", help="the session's working folder")
+        p.add_argument("--hook", action="store_true", help="read the agent's hook payload on stdin; never fail")
+
+    p = session_verb("register", "register (or refresh) an agent session")
+    identity(p, cwd=True)
+    p.set_defaults(run=cmd_session_register)
+
+    p = session_verb("inject", "pull the open pins (and news on them) into the agent's next turn")
+    identity(p, cwd=True)
+    p.add_argument("--raw", action="store_true", help="print the bare context text")
+    p.set_defaults(run=cmd_session_inject)
+
+    p = session_verb("pending", "what arrived for this session mid-turn (read-only without --hook)")
+    identity(p)
+    p.set_defaults(run=cmd_session_pending)
+
+    p = session_verb("end", "mark a session ended (it can still be resumed)")
+    p.add_argument("session", nargs="?", help="ses_… id or agent:key")
+    identity(p)
+    p.set_defaults(run=cmd_session_end)
+
+    p = session_verb("forget", "delete a session (its pins keep their binding)")
+    p.add_argument("session", help="ses_… id or agent:key")
+    p.set_defaults(run=cmd_session_forget)
+
+    session_verb("list", "registered agent sessions, most recently seen first").set_defaults(run=cmd_session_list)
+
+    agent = verb("agent", "messages between agent sessions: stored, never typed into a turn")
+    agent_verbs = agent.add_subparsers(dest="agent_verb", parser_class=Parser)
+
+    def agent_verb(name, summary):
+        sub = agent_verbs.add_parser(name, parents=[common], help=summary, description=summary, allow_abbrev=False)
+        sub.add_argument("--session", help="who is asking (ses_… or agent:key; default $PINBOX_SESSION)")
+        return sub
+
+    p = agent_verb("post", "leave a message in a session's inbox")
+    p.add_argument("target", metavar="session", help="the receiving session (ses_… or agent:key)")
+    p.add_argument("text", help="the message, quoted as one argument; - reads it from stdin")
+    p.set_defaults(run=cmd_agent_post)
+    p = agent_verb("inbox", "read an inbox (your own by default); reading removes nothing")
+    p.add_argument("target", metavar="session", nargs="?", help="another session's inbox, to peek")
+    p.add_argument("--wait", action="store_true", help="block until there is unseen mail (exit 2 on timeout)")
+    p.add_argument("--timeout", type=int, metavar="ms", help="how long --wait waits (default 600000)")
+    p.set_defaults(run=cmd_agent_inbox)
+    p = agent_verb("ack", "remove messages you handled, by the full ids the inbox printed")
+    p.add_argument("ids", nargs="+", metavar="id")
+    p.set_defaults(run=cmd_agent_ack)
+    agent_verb("ls", "sessions with their inboxes: pending, new, parked").set_defaults(run=cmd_agent_ls)
+
+    p = session_verb("trailer", "resolve the pins a commit message names (Fixes/Resolves/Closes pin_…)")
+    p.add_argument("--commit", metavar="sha", help="the commit to read (default HEAD)")
+    p.add_argument("--hook", action="store_true", help="run as the post-commit hook: quiet, exit 0 whatever happens")
+    p.set_defaults(run=cmd_session_trailer)
+
+    parser.top_help = TOP_HELP % "\n".join("  " + line for line in summaries)
+    return parser
+
+
+def _parser_message(message):
+    """argparse's wording → the original CLI's, which scripts may match on."""
+    import re
+    m = re.match(r"unrecognized arguments: (\S+)", message)
+    if m:
+        token = m.group(1)
+        return ("unknown option '%s'" % token) if token.startswith("-") else ("unexpected argument '%s'" % token)
+    m = re.match(r"argument (?:verb|command|\{.*\}): invalid choice: '([^']*)'", message)
+    if m:
+        return "unknown command '%s'" % m.group(1)
+    m = re.match(r"the following arguments are required: (.+)", message)
+    if m:
+        return "missing required argument '%s'" % m.group(1).split(",")[0].strip()
+    m = re.match(r"argument (\S+?)(?:/\S+)?: expected one argument", message)
+    if m:
+        return "option '%s <value>' argument missing" % m.group(1)
+    return message
+
+
+def _split_json_flag(argv):
+    """--json may stand anywhere before `--`; it decides the output mode even for
+    errors the parser raises."""
+    if "--" in argv:
+        cut = argv.index("--")
+        head, tail = argv[:cut], argv[cut:]
+    else:
+        head, tail = argv, []
+    return "--json" in head, [a for a in head if a != "--json"] + tail
+
+
+# ============================================================================
+# Entry points
+# ============================================================================
+
+def run(argv=None, cwd=None):
+    """Runs one pinbox command line and returns its exit status. Everything a user can
+    get wrong becomes a PinboxError and so an envelope, never a traceback. A hook
+    (--hook) never fails its caller: whatever goes wrong, one line on stderr, exit 0."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    json_flag, argv = _split_json_flag(argv)
+    if argv[:1] == ["session"] and "--hook" in argv:
+        return run_hook(argv[1:], cwd)
+    out = Output(json_flag or not sys.stdout.isatty(), json_flag)
+    verb = next((a for a in argv if a in VERBS), None)
+    ctx = None
+    try:
+        parser = build_parser()
+        if not argv:
+            raise invalid("no command given", usage_hint(None))
+        check_arguments(argv)
+        args = parser.parse_args(argv)
+        for name, value in vars(args).items():
+            if isinstance(value, list) and name != "ids":  # argparse turns `x -- --` into []
+                raise invalid("missing required argument '%s'" % name)
+        if args.version:
+            write_out(VERSION + "\n")
+            return 0
+        if args.help or args.verb is None or not hasattr(args, "run"):
+            write_out(parser.top_help)
+            return 0
+        ctx = Context(args, out, cwd)
+        code = args.run(ctx) or 0
+        # Every command in a project starts its hub, but the hub itself and the commit hook.
+        if (args.verb != "serve" and getattr(args, "session_verb", None) != "trailer"
+                and ctx._store is not None and ctx._store.exists):
+            start_hub_quietly(ctx.root)
+        return code
+    except Exception as exc:
+        err = as_pinbox_error(exc, ctx)
+        if err.code == "E_INVALID_INPUT" and err.hint is None:
+            err.hint = usage_hint(verb)
+        out.error(err)
+        return err.exit_code
+    except KeyboardInterrupt:
+        write_err("pinbox: interrupted\n")
+        return 130
+    finally:
+        if ctx is not None:
+            ctx.close()
+
+
+class HookArgs:
+    """The few flags a hook command takes, parsed without argparse: hooks run on every
+    prompt and every commit, and building the full parser costs more than the work."""
+    FLAGS = ("--commit", "--agent", "--key", "--cwd")
+
+    def __init__(self, argv):
+        self.hook = True
+        self.raw = False
+        self.session = None
+        for flag in self.FLAGS:
+            setattr(self, flag[2:], None)
+        verb, rest = (argv[0], argv[1:]) if argv else (None, [])
+        self.session_verb = verb
+        self.run = HOOK_VERBS.get(verb)
+        if self.run is None:
+            raise invalid("unknown hook command %r" % verb)
+        while rest:
+            flag = rest.pop(0)
+            if flag == "--hook":
+                continue
+            if flag not in self.FLAGS or not rest:
+                raise invalid("unknown or incomplete option %r" % flag)
+            setattr(self, flag[2:], rest.pop(0))
+
+
+def run_hook(argv, cwd=None):
+    """A hook never fails its caller (an agent's turn, a commit): whatever goes wrong
+    is one line on stderr, and the exit status is 0."""
+    ctx = None
+    try:
+        ctx = Context(HookArgs(argv), Output(False), cwd, timeout=HOOK_TIMEOUT_S)
+        ctx.args.run(ctx)
+        if ctx.args.run is not cmd_session_trailer and ctx._store is not None and ctx._store.exists:
+            start_hub_quietly(ctx.root, quick=True)  # never waited for: the prompt goes on
+    except BaseException as exc:  # noqa: B036 — even ^C must not fail a commit
+        if not isinstance(exc, KeyboardInterrupt):
+            write_err("pinbox: %s\n" % as_pinbox_error(exc, ctx).message)
+    finally:
+        if ctx is not None:
+            try:
+                ctx.close()
+            except Exception:
+                pass
+    return 0
+
+
+def as_pinbox_error(exc, ctx):
+    if isinstance(exc, PinboxError):
+        return exc
+    if isinstance(exc, sqlite3.Error):
+        path = ctx._store.path if ctx is not None and ctx._store is not None else "the store"
+        return store_error(path, exc)
+    if isinstance(exc, BrokenPipeError):
+        return PinboxError("E_INTERNAL", "output closed early")
+    if os.environ.get("PINBOX_DEBUG"):
+        import traceback
+        traceback.print_exc()
+    return PinboxError("E_INTERNAL", "%s: %s" % (type(exc).__name__, exc),
+                       "this is a bug in pinbox; set PINBOX_DEBUG=1 to see where")
+
+
+def main():
+    # Undecodable bytes in output never crash a command; they print as escapes.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="backslashreplace")
+        except (AttributeError, ValueError):
+            pass
+    code = run()
+    if sys.argv[1:2] == ["session"] and "--hook" in sys.argv:
+        # A hook is done once its output is out: skip the interpreter's teardown (and
+        # the WAL checkpoint SQLite runs when the last connection closes; the next
+        # writer does that). Every prompt and every commit waits for this process.
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except OSError:
+            pass
+        os._exit(0)
+    sys.exit(code)
+
+
+# ============================================================================
+# Assets: the page toolbar and the overview page
+# ============================================================================
 
 TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
    Served by the pinbox hub as GET /toolbar.js and loaded by one tag:
@@ -3109,2513 +5765,6 @@ async function load() {
 load(); setInterval(load, 5000);
 </script>
 """
-
-
-# ============================================================================
-# Hub: the server shell
-# ============================================================================
-
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
-PUBLIC_ROUTES = (("GET", "/health"), ("GET", "/toolbar.js"), ("GET", "/"))
-TOKEN_IN_QUERY = ("/stream", "/ws")  # EventSource and WebSocket cannot send headers
-MAX_CONNECTIONS = 512
-
-
-def host_is_loopback(value):
-    """A Host or Origin value that names this machine's loopback and nothing more: no
-    user part, no path, only a numeric port ("evil@localhost" is not local)."""
-    import re
-    return re.fullmatch(r"(?i)(https?://)?(127\.0\.0\.1|localhost|\[::1\])(:[0-9]{1,5})?", value or "") is not None
-
-
-class Hub:
-    """One project's hub: its store (a pool of connections), token, and the signal
-    that wakes open streams when an event is appended (by this process or any other)."""
-
-    def __init__(self, root, directory, token):
-        import collections
-        import threading
-        self.root, self.directory, self.token = root, directory, token
-        self.cond = threading.Condition()
-        # The latest events, read once for every open page: with hundreds of streams a
-        # write costs one query, not one per stream. It holds every event after tail_from.
-        self.tail = collections.deque(maxlen=1000)
-        self.tail_from = None
-        self._reading = threading.Lock()
-        # Streams that have caught up (socket -> the last seq it was sent): new events
-        # are written to them here, instead of waking a thread per page (hundreds of
-        # wake-ups per write would starve every other request of the interpreter).
-        self.listeners = {}
-        self.stopping = threading.Event()
-        self._heard = time.monotonic()
-        self._poke = threading.Event()
-        self.last_seq = 0
-        self.streams = 0
-        self.toolbars = 0
-        self.pushing = 0
-        self._pool = []
-        self._lock = threading.Lock()
-        self._stamp = None
-
-    def store(self):
-        """`with hub.store() as store:` — a connection from the pool, for one request."""
-        return _Borrowed(self)
-
-    def close(self):
-        with self._lock:
-            for store in self._pool:
-                store.close()
-            self._pool = []
-
-    def git_stamp(self):
-        """The branch and commit for a new pin, looked up at most once a second: one git
-        process per pin would cap the hub at a few hundred pins a second."""
-        now = time.monotonic()
-        if self._stamp is None or now - self._stamp[0] > 1.0:
-            self._stamp = (now, git_stamp(self.root))
-        return dict(self._stamp[1])
-
-    def count(self, name, delta):
-        with self._lock:
-            setattr(self, name, getattr(self, name) + delta)
-
-    def caller_session(self, store, request):
-        ref = request.headers.get("x-pinbox-session")
-        if not ref:
-            return None
-        with store.guard():
-            session = lookup_session(store.conn, ref)
-        return session["id"] if session else None
-
-    def changed(self):
-        """Something was written: with a page open, the watcher reads the new events
-        now (one read for a burst of writes, none in the writer's request); every waiter
-        wakes."""
-        if self.streams or self.toolbars:
-            self._poke.set()
-        with self.cond:
-            self.cond.notify_all()
-
-    def read_tail(self):
-        """Appends the events written since the last look to the tail; whether there were."""
-        with self._reading:
-            watched = self.streams or self.toolbars
-            try:
-                with self.store() as store:
-                    seq = store.conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0]
-                    fresh = events_after(store, self.last_seq, 1000) if watched and seq > self.last_seq else []
-            except (PinboxError, sqlite3.Error):
-                return False
-            with self.cond:
-                if self.tail_from is None or seq < self.last_seq or not watched:
-                    # The start, a store replaced, or no page open: the tail starts afresh here.
-                    moved = seq != self.last_seq
-                    self.tail.clear()
-                    self.tail_from = self.last_seq = seq
-                    return moved
-                if fresh:
-                    self.tail.extend(fresh)
-                    self.last_seq = fresh[-1]["seq"]
-                    if len(self.tail) == self.tail.maxlen:
-                        self.tail_from = self.tail[0]["seq"] - 1
-                    frames = [(event["seq"], sse_frame(event)) for event in fresh]
-                    for sock, sent in list(self.listeners.items()):
-                        # A stream that caught up from the store may be ahead of the tail.
-                        self.send_to(sock, b"".join(frame for seq, frame in frames if seq > sent), frames[-1][0])
-            return bool(fresh)
-
-    def listen(self, sock, after):
-        """Hands a stream that has sent everything up to `after` to the broadcast;
-        False when more has landed meanwhile (the stream sends that first)."""
-        with self.cond:
-            if self.tail_from is None or after < self.last_seq or self.stopping.is_set():
-                return False
-            self.listeners[sock] = after
-            return True
-
-    def send_to(self, sock, data, seq):
-        """Writes without waiting: a page that cannot take a few bytes into its socket
-        buffer is gone, and is hung up on."""
-        import socket
-        self._heard = time.monotonic()
-        try:
-            if not data or sock.send(data, socket.MSG_DONTWAIT) == len(data):
-                self.listeners[sock] = max(seq, self.listeners[sock])
-                return
-        except OSError:
-            pass
-        self.hang_up(sock)
-
-    def hang_up(self, sock):
-        """Ends a stream: its thread, blocked reading the socket, sees the end and exits."""
-        import socket
-        self.listeners.pop(sock, None)
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-    def watch(self, stop):
-        """Reads new events into the tail when poked by a write here, and every 50 ms
-        for the writes of other processes (the CLI, hooks, git); wakes the waiters."""
-        while not stop.is_set():
-            if self._poke.wait(0.05):
-                stop.wait(0.005)  # the rest of a burst of writes is read with it
-            self._poke.clear()
-            try:
-                fresh = self.read_tail()
-            except Exception:  # noqa: BLE001 — this thread must outlive any one bad row
-                fresh = False
-            if fresh:
-                with self.cond:
-                    self.cond.notify_all()
-            elif time.monotonic() - self._heard > 15:  # proxies and browsers drop silent streams
-                with self.cond:
-                    for sock in list(self.listeners):
-                        self.send_to(sock, b": keepalive\n\n", 0)
-        with self.cond:
-            for sock in list(self.listeners):
-                self.hang_up(sock)
-
-    def wait_for_events(self, after, timeout):
-        """Events after `after`, waiting up to `timeout` seconds for one to appear."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            with self.cond:
-                if self.tail_from is not None and after >= self.tail_from:
-                    events = []
-                    for event in reversed(self.tail):  # from the newest: a page is seldom far behind
-                        if event["seq"] <= after:
-                            break
-                        events.append(event)
-                    events = events[::-1][:200]
-                    if events or left <= 0:
-                        return events
-                    self.cond.wait(min(left, 1.0))
-                    continue
-            with self.store() as store:  # further back than the tail: a page catching up
-                events = events_after(store, after, 200)
-            if events or left <= 0:
-                return events
-            with self.cond:
-                self.cond.wait(min(left, 1.0))
-
-
-class _Borrowed:
-    def __init__(self, hub):
-        self.hub = hub
-
-    def __enter__(self):
-        with self.hub._lock:
-            self.store = self.hub._pool.pop() if self.hub._pool else None
-        if self.store is not None and self.store.identity != file_identity(self.store.path):
-            # The database was deleted or replaced under the hub: a connection to the old
-            # file would write where nobody reads.
-            self.store.close()
-            self.store = None
-        if self.store is None:
-            self.store = Store(self.hub.directory)
-        return self.store
-
-    def __exit__(self, *exc):
-        if self.store.conn is not None and self.store.conn.in_transaction:
-            self.store.conn.execute("ROLLBACK")
-        with self.hub._lock:
-            keep = len(self.hub._pool) < 16  # a burst of requests leaves no pile of open connections
-            if keep:
-                self.hub._pool.append(self.store)
-        if not keep:
-            self.store.close()
-        return False
-
-
-def make_handler(hub, activity):
-    """The HTTP handler class: the security checks, body limits and CORS every request
-    passes, then the router; /stream and /ws are served here (they stay open)."""
-    import http.server
-    import re
-    from urllib.parse import urlsplit, parse_qsl
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        server_version = "pinbox/" + VERSION
-        timeout = 30  # a client that stops sending mid-request is dropped
-        # Headers and body go out as two writes: with Nagle on, a kept-alive client
-        # waits out its delayed ACK (~40 ms) on every response.
-        disable_nagle_algorithm = True
-
-        def log_message(self, *args):
-            pass  # nothing is logged: request lines carry tokens in query strings
-
-        def do_GET(self):
-            self.handle_one("GET")
-
-        def do_POST(self):
-            self.handle_one("POST")
-
-        def do_DELETE(self):
-            self.handle_one("DELETE")
-
-        def do_PUT(self):
-            self.handle_one("PUT")
-
-        def do_OPTIONS(self):
-            self.handle_one("OPTIONS")
-
-        def send(self, response, extra=()):
-            self.send_response(response.status)
-            self.send_header("Content-Type", response.content_type)
-            self.send_header("Content-Length", str(len(response.body)))
-            self.send_header("Cache-Control", "no-store")
-            for name, value in list(extra) + self.cors:
-                self.send_header(name, value)
-            self.end_headers()
-            self.wfile.write(response.body)
-
-        def refuse(self, status, err=None):
-            self.send(Response(status, error=err) if err else Response(status, raw=b""))
-            self.close_connection = True
-
-        def send_error(self, code, message=None, explain=None):
-            # http.server answers an unknown method 501 and a newer HTTP version 505:
-            # both are the client's mistake, not the hub's.
-            super().send_error({501: 405, 505: 400}.get(code, code), message, explain)
-
-        def handle_one(self, method):
-            activity.touch()
-            self.cors = []
-            try:
-                split = urlsplit(self.path)
-            except ValueError:  # "http://[/pins": an absolute-form target with a broken host
-                return self.refuse(400, invalid("the request target is not a valid URL"))
-            path = split.path.rstrip("/") or "/"
-            query = dict(parse_qsl(split.query, keep_blank_values=True))
-            # Two of a header that decides who may ask are refused: which one wins would
-            # depend on the parser (RFC 9112 asks for a 400 on two Hosts).
-            if any(len(self.headers.get_all(name) or ()) > 1 for name in ("Host", "Origin", "Authorization")):
-                return self.refuse(400, invalid("repeated Host, Origin or Authorization header"))
-            # A page on another site, or a name that only rebinds to 127.0.0.1, gets nothing.
-            if not host_is_loopback(self.headers.get("Host")):
-                return self.refuse(403, PinboxError("E_FORBIDDEN", "Host must name the loopback"))
-            origin = self.headers.get("Origin")
-            if origin is not None:
-                if not host_is_loopback(origin):
-                    return self.refuse(403)
-                self.cors = [("Access-Control-Allow-Origin", origin), ("Vary", "Origin")]
-                if method == "OPTIONS":
-                    return self.send(Response(204, raw=b""), [
-                        ("Access-Control-Allow-Methods", "GET, POST, DELETE, OPTIONS"),
-                        ("Access-Control-Allow-Headers", "authorization, content-type, x-pinbox-session"),
-                        ("Access-Control-Max-Age", "600")])
-            if path == "/ws":
-                return serve_websocket(self, hub, query)
-            if (method, path) not in PUBLIC_ROUTES and not self.authorized(path, query):
-                return self.refuse(401, PinboxError("E_AUTH", "missing or invalid bearer token",
-                                                    "send Authorization: Bearer <token>; `pinbox serve` prints it"))
-            body = self.read_body(path)
-            if body is None:
-                return
-            if path == "/stream" and method == "GET":
-                return serve_stream(self, hub, query)
-            self.send(route(hub, Request(method, path, query, dict(self.headers), body)))
-
-        def discard(self, length):
-            while length > 0:
-                chunk = self.rfile.read(min(length, 65536))
-                if not chunk:
-                    break
-                length -= len(chunk)
-
-        def authorized(self, path, query):
-            import hmac
-            header = self.headers.get("Authorization") or ""
-            offered = header[7:] if header.startswith("Bearer ") else None
-            if offered is None and (path in TOKEN_IN_QUERY or path.startswith("/media/")):
-                offered = query.get("token")
-            return offered is not None and hmac.compare_digest(offered.encode(), hub.token.encode())
-
-        def read_body(self, path):
-            """The request body within its limit (1 MiB of JSON, 5 MiB of attachment);
-            None when the request was refused."""
-            if self.headers.get("Transfer-Encoding"):
-                self.refuse(411, invalid("send a Content-Length (chunked bodies are not accepted)"))
-                return None
-            lengths = {value.strip() for value in self.headers.get_all("Content-Length") or ["0"]}
-            length = lengths.pop()
-            if lengths or not re.fullmatch(r"[0-9]{1,16}", length):  # "+2", "1_0" and two values are not lengths
-                self.refuse(400, invalid("Content-Length is not one plain number"))
-                return None
-            length = int(length)
-            limit = ATTACHMENT_LIMIT if path == "/attachments" else JSON_BODY_LIMIT
-            if length > limit:
-                err = (PinboxError("E_ATTACHMENT", "attachment exceeds %d bytes" % ATTACHMENT_LIMIT,
-                                   "attachments are capped at 5 MB; downscale or compress before uploading")
-                       if path == "/attachments" else
-                       invalid("request body exceeds %d bytes" % JSON_BODY_LIMIT, "JSON bodies are capped at 1 MiB"))
-                if length <= 16 * 1024 * 1024:  # read and dropped, so the client gets to see the 413
-                    self.discard(length)
-                self.refuse(413, err)
-                return None
-            body = self.rfile.read(length) if length else b""
-            if len(body) < length:
-                self.close_connection = True
-                return None  # the client went away mid-body
-            return body
-
-    return Handler
-
-
-def serve_stream(handler, hub, query):
-    """Server-Sent Events: every event after `after`, then each new one as it lands."""
-    try:
-        after = int(query.get("after") or 0)
-    except ValueError:
-        after = 0
-    handler.send_response(200)
-    handler.send_header("Content-Type", "text/event-stream")
-    handler.send_header("Cache-Control", "no-store")
-    for name, value in handler.cors:
-        handler.send_header(name, value)
-    handler.end_headers()
-    handler.close_connection = True
-    handler.connection.settimeout(None)
-    hub.count("streams", 1)
-    sock = handler.connection
-    try:
-        # Catching up is this thread's work; once caught up, the hub's broadcast writes.
-        wait = 0
-        while not hub.stopping.is_set():
-            events = hub.wait_for_events(after, wait)
-            if events:
-                handler.wfile.write(b"".join(sse_frame(event) for event in events))
-                handler.wfile.flush()
-                after, wait = events[-1]["seq"], 0
-            elif hub.listen(sock, after):
-                while sock.recv(4096):  # a stream's client sends nothing more: this waits for its end
-                    pass
-                break
-            else:
-                wait = 0.05  # what landed is not in the tail yet: look again shortly
-    except (OSError, ValueError):
-        pass  # the page went away
-    finally:
-        with hub.cond:
-            hub.listeners.pop(sock, None)
-        hub.count("streams", -1)
-
-
-def sse_frame(event):
-    return ("id: %d\ndata: %s\n\n" % (event["seq"], dumps_compact(event))).encode("utf-8")
-
-
-class WebSocket:
-    """Just enough RFC 6455 for the original toolbar's protocol: text frames, ping/pong,
-    close with a code; client frames over 64 KiB close the socket."""
-    MAX_FRAME = 64 * 1024
-
-    def __init__(self, sock, rfile):
-        import threading
-        self.sock, self.rfile = sock, rfile
-        self.send_lock = threading.Lock()
-        self.closed = False
-
-    def send(self, opcode, payload=b""):
-        import struct
-        if isinstance(payload, str):
-            payload = payload.encode("utf-8")
-        n = len(payload)
-        head = bytes([0x80 | opcode]) + (bytes([n]) if n < 126 else
-                                         struct.pack("!BH", 126, n) if n < 65536 else struct.pack("!BQ", 127, n))
-        with self.send_lock:
-            if self.closed and opcode != 0x8:
-                return
-            self.sock.sendall(head + payload)
-
-    def send_json(self, value):
-        self.send(0x1, dumps_compact(value))
-
-    def close(self, code, reason=""):
-        import struct
-        try:
-            self.send(0x8, struct.pack("!H", code) + reason.encode("utf-8"))
-        except OSError:
-            pass
-        self.closed = True
-
-    def receive(self):
-        """(opcode, payload) of the next client frame; None when the peer is gone."""
-        import struct
-        head = self.rfile.read(2)
-        if len(head) < 2:
-            return None
-        opcode, masked, n = head[0] & 0x0F, head[1] & 0x80, head[1] & 0x7F
-        if n == 126:
-            n = struct.unpack("!H", self.rfile.read(2))[0]
-        elif n == 127:
-            n = struct.unpack("!Q", self.rfile.read(8))[0]
-        if n > self.MAX_FRAME or not masked:
-            self.close(1009 if masked else 1002, "frame refused")
-            return None
-        mask = self.rfile.read(4)
-        data = bytearray(self.rfile.read(n))
-        if len(data) < n or len(mask) < 4:
-            return None
-        for i in range(n):
-            data[i] ^= mask[i % 4]
-        return opcode, bytes(data)
-
-
-def event_frame(event):
-    return {"type": "event", "seq": event["seq"], "eventType": event["type"], "at": event["at"],
-            "payload": event["payload"]}
-
-
-def serve_websocket(handler, hub, query):
-    """The original toolbar's live protocol (version 1): hello, catch-up, event frames;
-    4401 for a bad token, 4400 for a bad or missing hello."""
-    import base64
-    import hashlib
-    import hmac
-    import threading
-    key = handler.headers.get("Sec-WebSocket-Key")
-    if (handler.headers.get("Upgrade") or "").lower() != "websocket" or not key:
-        return handler.refuse(400, invalid("websocket upgrade failed"))
-    offered = [p.strip() for p in (handler.headers.get("Sec-WebSocket-Protocol") or "").split(",") if p.strip()]
-    chosen = next((p for p in offered if p.startswith("pinbox.token.")), None)
-    token = chosen[len("pinbox.token."):] if chosen else query.get("token")
-    accept = base64.b64encode(hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest())
-    handler.send_response(101)
-    handler.send_header("Upgrade", "websocket")
-    handler.send_header("Connection", "Upgrade")
-    handler.send_header("Sec-WebSocket-Accept", accept.decode())
-    if chosen:
-        handler.send_header("Sec-WebSocket-Protocol", chosen)  # browsers drop a socket without the echo
-    handler.end_headers()
-    handler.close_connection = True
-    handler.connection.settimeout(None)  # a toolbar sends nothing after its hello, for hours
-    ws = WebSocket(handler.connection, handler.rfile)
-    if not token or not hmac.compare_digest(token.encode(), hub.token.encode()):
-        return ws.close(4401, "missing or invalid token")
-    hello = threading.Event()
-    state = {"after": None}
-
-    def read():
-        while not ws.closed:
-            try:
-                frame = ws.receive()
-            except Exception:  # a short or garbled frame ends this socket, never the hub
-                frame = None
-            if frame is None:
-                break
-            opcode, data = frame
-            if opcode == 0x8:
-                break
-            if opcode == 0x9:
-                ws.send(0xA, data)
-                continue
-            if opcode != 0x1:
-                continue
-            if hello.is_set():
-                ws.send_json({"type": "error", "code": "E_WS_PROTOCOL",
-                              "message": "unexpected client frame: no client messages exist after hello"})
-                continue
-            try:
-                message = json.loads(data.decode("utf-8"))
-                ok = (isinstance(message, dict) and message.get("type") == "hello"
-                      and isinstance(message.get("protocol"), int) and message["protocol"] >= 1
-                      and isinstance(message.get("consumerId"), str) and message["consumerId"]
-                      and isinstance(message.get("lastSeq"), int) and message["lastSeq"] >= 0)
-            except ValueError:
-                ok = False
-            if not ok:
-                ws.send_json({"type": "error", "code": "E_WS_PROTOCOL", "message": "malformed hello"})
-                ws.close(4400, "malformed hello")
-                break
-            state["after"], state["consumer"] = message["lastSeq"], message["consumerId"]
-            hello.set()
-        ws.closed = True
-        hub.changed()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    if not hello.wait(5.0):
-        if not ws.closed:
-            ws.close(4400, "no hello within deadline")
-        return
-    hub.count("toolbars", 1)
-    try:
-        with hub.store() as store:
-            last = store.conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0]
-            backlog = events_after(store, state["after"], 500)
-            with store.guard(), store.write() as conn:
-                conn.execute("INSERT INTO cursors(consumer_id, last_seq, updated_at) VALUES (?, ?, ?) "
-                             "ON CONFLICT(consumer_id) DO UPDATE SET last_seq = excluded.last_seq, "
-                             "updated_at = excluded.updated_at", (state["consumer"], state["after"], iso_time()))
-        ws.send_json({"type": "catch-up", "protocol": 1, "minProtocol": 1, "lastSeq": last,
-                      "events": [event_frame(e) for e in backlog]})
-        after = backlog[-1]["seq"] if backlog else state["after"]
-        while not ws.closed and not hub.stopping.is_set():
-            for event in hub.wait_for_events(after, 1.0):
-                ws.send_json(event_frame(event))
-                after = event["seq"]
-    except (OSError, PinboxError):
-        pass
-    finally:
-        hub.count("toolbars", -1)
-        ws.closed = True
-
-
-def delivery_worker(hub, stop, owner, concurrency=16):
-    """Pushes due rows, each on a thread of its own: a resume that hangs for its full
-    timeout delays no other delivery, no HTTP request and no hook."""
-    import threading
-    busy = threading.BoundedSemaphore(concurrency)
-    hub.pushing = 0
-    replayed = False
-
-    def run(claim):
-        try:
-            with hub.store() as store:
-                push(store, claim)
-        finally:
-            busy.release()
-            hub.changed()  # a retry may now be due sooner than the worker planned to look
-
-    while not stop.is_set():
-        if not replayed:
-            try:
-                with hub.store() as store:
-                    replay_unrouted(store)
-                replayed = True
-            except (PinboxError, sqlite3.Error):
-                stop.wait(0.5)  # the store is busy: try again
-                continue
-        free = 0
-        while busy.acquire(blocking=False):
-            free += 1
-        hub.pushing = concurrency - free
-        claims = []
-        if free:
-            try:
-                with hub.store() as store:
-                    claims = claim_due(store, owner, free)
-            except (PinboxError, sqlite3.Error):
-                claims = []
-        for claim in claims:
-            threading.Thread(target=run, args=(claim,), daemon=True).start()
-        for _ in range(free - len(claims)):
-            busy.release()
-        with hub.cond:
-            # Woken at once when an event lands or a push ends; with every slot taken
-            # there is nothing to do until one frees.
-            hub.cond.wait(next_due_in(hub) if free > len(claims) else 5.0)
-
-
-def next_due_in(hub):
-    """Seconds until the next pending row falls due (at most half a second)."""
-    try:
-        with hub.store() as store:
-            due = store.conn.execute("SELECT MIN(due_at) FROM deliveries WHERE status = 'pending' AND "
-                                     "due_at IS NOT NULL AND lease_until IS NULL").fetchone()[0]
-    except (PinboxError, sqlite3.Error):
-        return 0.5
-    when = parse_iso(due) if due else None
-    return 0.5 if when is None else max(0.005, min(0.5, when - time.time()))
-
-
-def stop_pushes():
-    """Ends the agents pushes are waiting on (a resumed agent never outlives the hub that
-    started it). Only signals: the push threads themselves reap their processes."""
-    import signal
-    HUB_STOPPING.append(True)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for proc in list(RUNNING_PUSHES):
-            try:
-                os.killpg(proc.pid, sig)
-            except OSError:
-                pass
-        deadline = time.monotonic() + 2
-        while RUNNING_PUSHES and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not RUNNING_PUSHES:
-            return
-
-
-def release_leases(hub, owner):
-    stop_pushes()
-    with hub.store() as store, store.guard(), store.write() as conn:
-        conn.execute("UPDATE deliveries SET lease_owner = NULL, lease_until = NULL WHERE lease_owner LIKE ?",
-                     (owner + ":%",))
-
-
-class Activity:
-    """When the hub last had a request: it exits after PINBOX_IDLE_MS without one, unless
-    a page still has a stream or socket open."""
-
-    def __init__(self):
-        self.last = time.monotonic()
-
-    def touch(self):
-        self.last = time.monotonic()
-
-    def idle_for(self):
-        return time.monotonic() - self.last
-
-
-def hub_files(root):
-    """(state dir, hub.json, token file, last port file, lock file, server.json)."""
-    state = state_dir(root)
-    return (state, os.path.join(state, "hub.json"), os.path.join(state, "token"), os.path.join(state, "port"),
-            os.path.join(state, "hub.lock"), os.path.join(store_dir(root), "server.json"))
-
-
-def write_private(path, text):
-    """A file only its owner can read (0600, in a 0700 folder), replaced atomically."""
-    folder = os.path.dirname(path)
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    os.chmod(folder, 0o700)
-    replace_file(path, text, 0o600)
-
-
-def project_token(token_path):
-    """The project's bearer token: made once, kept across restarts, so a script tag
-    pasted into a page keeps working."""
-    import secrets
-    try:
-        with open(token_path) as handle:
-            token = handle.read().strip()
-        if len(token) >= 32:
-            return token
-    except OSError:
-        pass
-    token = secrets.token_urlsafe(24)
-    write_private(token_path, token + "\n")
-    return token
-
-
-def read_hub_json(path):
-    try:
-        with open(path) as handle:
-            data = json.load(handle)
-        if isinstance(data.get("pid"), int) and isinstance(data.get("port"), int) and isinstance(data.get("token"), str):
-            return data
-    except (OSError, ValueError, AttributeError):
-        pass
-    return None
-
-
-def pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed hub nobody reaped yet is a zombie: gone, though kill() still finds it
-        with open("/proc/%d/stat" % pid) as handle:
-            return handle.read().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def running_hub(root):
-    """hub.json of a hub that is alive for this project, or None."""
-    data = read_hub_json(hub_files(root)[1])
-    return data if data and pid_alive(data["pid"]) else None
-
-
-def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
-    """Runs the hub until idle, SIGTERM or SIGINT. Returns an exit status; a second hub
-    for the same project finds the lock held and says where the first one is."""
-    import fcntl
-    import signal
-    import threading
-    import http.server
-    state, hub_json, token_path, port_path, lock_path, server_json = hub_files(root)
-    os.makedirs(state, mode=0o700, exist_ok=True)
-    lock = open(lock_path, "a")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # novermin (flags, not a type union)
-    except OSError:
-        lock.close()
-        deadline = time.monotonic() + 3
-        other = running_hub(root)
-        while other is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-            other = running_hub(root)
-        return "already", other
-    directory = store_dir(root)
-    store = Store(directory)  # made (and migrated) before the first request
-    if ephemeral_inbox:
-        with store.guard(), store.write() as conn:
-            conn.execute("DELETE FROM inbox")
-    store.close()
-    token = project_token(token_path)
-    hub = Hub(root, directory, token)
-    hub.read_tail()  # where the tail starts: a stream can be handed to the broadcast at once
-    activity = Activity()
-    wanted = port
-    if wanted is None:
-        try:
-            with open(port_path) as handle:
-                wanted = int(handle.read().strip())
-        except (OSError, ValueError):
-            wanted = 0
-
-    class Server(http.server.ThreadingHTTPServer):
-        daemon_threads = True
-        request_queue_size = 256
-
-        def __init__(self, *args):
-            self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-            self.active = 0
-            super().__init__(*args)
-
-        def process_request(self, request, client_address):
-            # Past the connection limit a client gets a 503 at once, not a hang.
-            if not self.slots.acquire(blocking=False):
-                try:
-                    request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
-                                    b"Connection: close\r\nRetry-After: 1\r\n\r\n")
-                finally:
-                    self.shutdown_request(request)
-                return
-            with hub._lock:
-                self.active += 1
-            super().process_request(request, client_address)
-
-        def handle_error(self, request, client_address):
-            import socket
-            if isinstance(sys.exc_info()[1], (ConnectionError, socket.timeout)):
-                return  # the client went away mid-request: nothing worth a log line
-            super().handle_error(request, client_address)
-
-        def process_request_thread(self, request, client_address):
-            try:
-                super().process_request_thread(request, client_address)
-            finally:
-                with hub._lock:
-                    self.active -= 1
-                self.slots.release()
-
-    handler = make_handler(hub, activity)
-    try:
-        server = Server(("127.0.0.1", wanted or 0), handler)
-    except OSError:
-        server = Server(("127.0.0.1", 0), handler)  # the old port is taken: any free one
-    bound = server.server_address[1]
-    write_private(port_path, "%d\n" % bound)
-    write_private(hub_json, json.dumps({"pid": os.getpid(), "port": bound, "token": token, "version": VERSION},
-                                       indent=2) + "\n")
-    write_file_atomic(server_json, json.dumps({"port": bound}, indent=2) + "\n")
-    stop = threading.Event()
-
-    def stop_serving():
-        hub.changed()
-        with hub.store() as store:
-            wake_waiters(store)  # every parked inbox reader: the wait is cut short
-        server.shutdown()
-
-    def shut_down(*_):
-        # A signal handler takes no locks (the main thread may hold them): a thread
-        # does the work.
-        if not stop.is_set():
-            stop.set()
-            hub.stopping.set()
-            threading.Thread(target=stop_serving, daemon=True).start()
-
-    def idle_watch():
-        idle = env_number("PINBOX_IDLE_MS", 1800000) / 1000.0
-        while not stop.wait(0.2):
-            if hub.streams or hub.toolbars or hub.pushing or RUNNING_PUSHES:
-                activity.touch()
-            elif activity.idle_for() > idle:
-                shut_down()
-
-    signal.signal(signal.SIGTERM, shut_down)
-    signal.signal(signal.SIGINT, shut_down)
-    threading.Thread(target=hub.watch, args=(stop,), daemon=True).start()
-    owner = "hub-%d-%s" % (os.getpid(), new_id("ses")[4:])
-    threading.Thread(target=delivery_worker, args=(hub, stop, owner), daemon=True).start()
-    threading.Thread(target=idle_watch, daemon=True).start()
-    if ready:
-        ready(bound, token)
-    try:
-        server.serve_forever(poll_interval=0.2)
-    finally:
-        deadline = time.monotonic() + 2  # requests in flight (a cut-short wait, say) get their answer
-        while server.active and time.monotonic() < deadline:
-            time.sleep(0.02)
-        server.server_close()
-        try:
-            release_leases(hub, owner)  # pushes still running are retried by the next hub
-        except Exception as exc:  # shutting down goes on; the next hub releases them anyway
-            write_err("pinbox: could not release deliveries in flight: %s\n" % exc)
-        current = read_hub_json(hub_json)
-        if current and current["pid"] == os.getpid():
-            for path in (hub_json, server_json):
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-        hub.close()
-        lock.close()
-    return "stopped", None
-
-
-def ensure_hub(root, quick=False):
-    """Starts the project's hub in the background when none runs (so the page toolbar
-    and push delivery work whenever someone works here), without waiting for it. Its
-    own session, stdin from /dev/null, output to .pinbox/hub.log: never the caller's
-    pipes, which an agent waits on. `quick` (the agent hooks, on every prompt) trusts
-    .pinbox/server.json, which exists while a hub runs, and skips the full check (6 ms:
-    hashing the project path and reading the state file)."""
-    if os.environ.get("PINBOX_NO_SPAWN"):
-        return None
-    directory = store_dir(root)
-    if quick and os.path.exists(os.path.join(directory, "server.json")):
-        return None
-    if running_hub(root):
-        return None
-    if not os.path.exists(os.path.join(directory, "pinbox.db")):
-        return None
-    command = [sys.executable or "python3", "-I", "-S", self_path(), "serve", "--project", root]
-    if not os.path.isfile(self_path()):
-        return None
-    pid = os.fork()
-    if pid == 0:  # the child becomes the hub
-        try:
-            os.setsid()
-            null = os.open(os.devnull, os.O_RDONLY)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW  # novermin (flags, not a type union)
-            log = os.open(os.path.join(directory, "hub.log"), flags, 0o600)
-            os.dup2(null, 0)
-            os.dup2(log, 1)
-            os.dup2(log, 2)
-            os.closerange(3, 256)
-            os.execv(command[0], command)
-        finally:
-            os._exit(127)
-    return pid
-
-
-def start_hub_quietly(root, quick=False):
-    """ensure_hub for a command that already did its job: a hub that cannot start is
-    one line on stderr, never a failed command."""
-    try:
-        ensure_hub(root, quick)
-    except Exception as exc:
-        write_err("pinbox: could not start the hub: %s\n" % exc)
-
-
-# ============================================================================
-# Hook I/O and init installers
-# ============================================================================
-
-HOOK_TIMEOUT_S = 0.5  # a hook gives up on a locked store fast: the agent or commit goes on
-
-# The hook commands load this very file from its cached bytecode: running a large script
-# compiles it on every call, which would cost every prompt and every commit ~80 ms. The
-# folder is appended to sys.path, so nothing beside pinbox.py can shadow the stdlib.
-# A pinbox that was moved or deleted makes the hook a silent no-op, never a traceback.
-_BOOT_IMPORT = "import sys,os;os.path.exists(%s) or sys.exit(0);sys.path.append(%s);__import__(%s).main()"
-# A copy without the .py suffix (pinbox on PATH) is loaded by path.
-_BOOT_LOADER = ("import sys,os;os.path.exists(%s) or sys.exit(0);from importlib.machinery import SourceFileLoader as L;"
-                "from importlib.util import spec_from_loader as S,module_from_spec as M;"
-                'l=L("pinbox",%s);m=M(S("pinbox",l));sys.modules["pinbox"]=m;l.exec_module(m);m.main()')
-
-
-def self_path():
-    return os.path.abspath(__file__)
-
-
-def hook_command(args):
-    """A shell command running this copy of pinbox with `args`, as fast as Python can:
-    an absolute interpreter (no pyenv shim), no site-packages (-S), isolated (-I)."""
-    import shlex
-    python = sys.executable or "python3"
-    path = self_path()
-    if not os.path.isfile(path):
-        # Inside a zipapp: run the archive itself.
-        archive = path
-        while archive and not os.path.isfile(archive):
-            archive = os.path.dirname(archive)
-        return shlex.join([python, "-I", "-S", archive] + list(args))
-    command = [python, "-I", "-S"]
-    if not os.access(os.path.dirname(path), os.W_OK):
-        cache = os.path.join(os.path.expanduser("~"), ".cache", "pinbox", "pycache")
-        command += ["-X", "pycache_prefix=" + cache]
-    folder, name = os.path.split(path)
-    if name.endswith(".py"):
-        boot = _BOOT_IMPORT % (json.dumps(path), json.dumps(folder), json.dumps(name[:-3]))
-    else:
-        boot = _BOOT_LOADER % (json.dumps(path), json.dumps(path))
-    return shlex.join(command + ["-c", boot] + list(args))
-
-
-GIT_HOOK_BEGIN = "# >>> pinbox: resolves pins named by Fixes/Resolves/Closes (undo: pinbox init --uninstall)"
-GIT_HOOK_END = "# <<< pinbox"
-
-
-def git_hook_block():
-    line = hook_command(["session", "trailer", "--hook"]) + " </dev/null || true"
-    return "%s\n%s\n%s\n" % (GIT_HOOK_BEGIN, line, GIT_HOOK_END)
-
-
-def git_hooks_path(root):
-    """The post-commit path git will run, honouring core.hooksPath and worktrees."""
-    out = git_output(["rev-parse", "--git-path", "hooks"], root)
-    if not out or not out.strip():
-        return None
-    return os.path.join(os.path.normpath(os.path.join(root, out.strip())), "post-commit")
-
-
-def _split_block(text):
-    """(before, block, after) around pinbox's marked block, or None without one."""
-    begin = text.find(GIT_HOOK_BEGIN)
-    if begin < 0:
-        return None
-    end = text.find(GIT_HOOK_END, begin)
-    if end < 0:
-        return None
-    end = text.find("\n", end)
-    end = len(text) if end < 0 else end + 1
-    return text[:begin], text[begin:end], text[end:]
-
-
-def _is_shell_script(text):
-    first = text.split("\n", 1)[0]
-    if not first.startswith("#!"):
-        return True  # git runs a hook without a shebang through sh
-    interpreter = first[2:].strip().split()
-    names = [os.path.basename(part) for part in interpreter[:2]]
-    return any(name in ("sh", "bash", "dash", "zsh", "ksh", "ash") for name in names)
-
-
-def plan_git_hook(root, uninstall=False):
-    """What installing (or removing) pinbox's post-commit line would do:
-    (outcome, path, new text or None, note)."""
-    path = git_hooks_path(root)
-    if path is None:
-        return "skipped-no-git", None, None, None
-    block = git_hook_block()
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read()
-    except FileNotFoundError:
-        if uninstall:
-            return "absent", path, None, None
-        return "installed", path, "#!/bin/sh\n" + block, None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        text = None
-    parts = _split_block(text) if text is not None else None
-    if uninstall:
-        if parts is None:
-            return "absent", path, None, None
-        rest = parts[0] + parts[2]
-        return "removed", path, "" if rest.strip() in ("", "#!/bin/sh") else rest, None
-    if parts is not None:
-        if parts[1] == block:
-            return "unchanged", path, None, None
-        return "updated", path, parts[0] + block + parts[2], None
-    if text is None or not _is_shell_script(text):
-        line = block.split("\n")[1]
-        return "kept", path, None, "%s is not a shell script; add this line to it yourself:\n  %s" % (path, line)
-    # Our block goes right after the shebang, so an `exit` or `exec` later in the
-    # user's hook cannot skip it; the user's hook runs on unchanged after it.
-    if text.startswith("#!"):
-        head, _, tail = text.partition("\n")
-        return "added", path, head + "\n" + block + tail, None
-    return "added", path, block + text, None
-
-
-def apply_git_hook(outcome, path, text):
-    if text is None:
-        return
-    if text == "" and outcome == "removed":
-        os.unlink(path)
-        return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o755
-    tmp = path + ".pinbox-tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.chmod(tmp, mode | 0o111)
-    os.replace(tmp, path)
-
-
-def read_hook_payload():
-    """The agent's hook payload: a JSON object on stdin."""
-    data = b"" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.buffer.read()
-    try:
-        payload = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        payload = None
-    if not isinstance(payload, dict):
-        raise invalid("hook payload on stdin is not a JSON object",
-                      "pipe the agent's hook payload JSON into this command, or drop --hook")
-    return payload
-
-
-HERMES_EVENTS = ("on_session_start", "pre_llm_call", "on_session_end", "on_session_finalize")
-
-
-def fingerprint_agent(payload):
-    """Which agent runs this hook, when --agent does not say: its environment, or the
-    shape of its payload."""
-    if os.environ.get("CLAUDECODE"):
-        return "claude"
-    if os.environ.get("HERMES_SESSION_ID") or payload.get("hook_event_name") in HERMES_EVENTS:
-        return "hermes"
-    if any(os.environ.get(n) for n in ("CODEX_THREAD_ID", "CODEX_SANDBOX", "CODEX_HOME")):
-        return "codex"
-    if os.environ.get("HERMES_HOME"):
-        return "hermes"
-    raise invalid("cannot fingerprint the agent from the environment", "pass --agent <%s>" % "|".join(AGENTS))
-
-
-def hook_identity(args, payload):
-    """(agent, key, cwd) of the session a hook runs for."""
-    agent = args.agent or fingerprint_agent(payload)
-    key = args.key or payload.get("session_id")
-    if not isinstance(key, str) or not key:
-        raise invalid("hook payload carries no session_id",
-                      "pass --key <key>, or pipe the agent's hook payload JSON on stdin")
-    cwd = args.cwd or payload.get("cwd")
-    return agent, key, cwd if isinstance(cwd, str) and cwd else None
-
-
-def hook_context_output(agent, payload, context):
-    """The prompt hook's stdout, in the shape each agent reads."""
-    if agent == "hermes":
-        return {"context": context}
-    event = payload.get("hook_event_name")
-    return {"hookSpecificOutput": {"hookEventName": event if isinstance(event, str) and event else "UserPromptSubmit",
-                                   "additionalContext": context}}
-
-
-def write_env_file(session):
-    """Claude Code runs `export` lines from $CLAUDE_ENV_FILE before each Bash command:
-    the session's later `pinbox reply --as agent` knows who it is."""
-    path = os.environ.get("CLAUDE_ENV_FILE")
-    if not path:
-        return
-    line = "export PINBOX_SESSION=%s\n" % session["id"]
-    try:
-        with open(path, encoding="utf-8") as handle:
-            if line in handle.read():
-                return
-    except OSError:
-        pass
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(line)
-
-
-# --- Agent hook installers ---------------------------------------------------------
-# Each plan_* returns a Plan: what would change, so that --dry-run and a real run take
-# the same path, and a second run finds nothing to do (it changes no byte).
-
-class Plan:
-    def __init__(self, name, path, outcome, text=None, notes=()):
-        self.name, self.path, self.outcome, self.text, self.notes = name, path, outcome, text, list(notes)
-
-    def apply(self):
-        if self.text is not None:
-            write_file_atomic(self.path, self.text)
-
-    def report(self):
-        return ordered({"target": self.name, "outcome": self.outcome, "path": self.path,
-                        "notes": self.notes or None}, ("target", "outcome", "path", "notes"))
-
-
-def write_file_atomic(path, text):
-    """A user's config file, replaced whole; it keeps its mode."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else None
-    replace_file(path, text, 0o666 if mode is None else mode)  # a new one gets the umask's mode
-    if mode is not None:
-        os.chmod(path, mode)
-
-
-def read_text(path):
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read()
-    except FileNotFoundError:
-        return None
-
-
-def outcome_for(old, new):
-    if old == new:
-        return "unchanged"
-    return "installed" if old is None else "updated"
-
-
-# (agent event, pinbox verb, timeout in seconds or None) for each agent's hooks.
-CLAUDE_HOOKS = (("SessionStart", "register", None), ("UserPromptSubmit", "inject", None),
-                ("Stop", "pending", None), ("SessionEnd", "end", None))
-CODEX_HOOKS = (("SessionStart", "register", 30), ("UserPromptSubmit", "inject", 30),
-               ("Stop", "pending", 30), ("SessionEnd", "end", 3))  # Codex caps SessionEnd at 3 s
-HERMES_HOOKS = (("on_session_start", "register"), ("pre_llm_call", "inject"),
-                ("on_session_finalize", "end"))  # on_session_end fires after every turn
-
-
-SHELL_TAIL = " || true"  # even a missing interpreter must not fail the agent's turn
-
-
-def agent_hook_command(agent, verb):
-    """Claude Code and Codex run hook commands through a shell; Hermes splits them into
-    argv itself, so its command gets no shell syntax."""
-    command = hook_command(["session", verb, "--hook", "--agent", agent])
-    return command if agent == "hermes" else command + SHELL_TAIL
-
-
-def is_pinbox_handler(handler, agent, verb):
-    command = handler.get("command") if isinstance(handler, dict) else None
-    if not isinstance(command, str) or "pinbox" not in command:
-        return False
-    if command.endswith(SHELL_TAIL):
-        command = command[:-len(SHELL_TAIL)]
-    return command.endswith("session %s --hook --agent %s" % (verb, agent))
-
-
-def merge_json_hooks(config, agent, table, uninstall):
-    """Puts pinbox's handler for each event into an agent's JSON hook settings (or takes
-    it out), keeping every other key, group and handler as it was."""
-    hooks = config.get("hooks", {})
-    if not isinstance(hooks, dict):
-        raise ValueError('"hooks" is not an object')
-    for event, verb, timeout in table:
-        ours = {"type": "command", "command": agent_hook_command(agent, verb)}
-        if timeout:
-            ours["timeout"] = timeout
-        groups = hooks.get(event, [])
-        if not isinstance(groups, list):
-            raise ValueError('"hooks.%s" is not a list' % event)
-        placed = False
-        for group in groups:
-            handlers = group.get("hooks") if isinstance(group, dict) else None
-            if not isinstance(handlers, list):
-                continue
-            kept = []
-            for handler in handlers:
-                if not is_pinbox_handler(handler, agent, verb):
-                    kept.append(handler)
-                elif not uninstall and not placed:
-                    kept.append(ours)
-                    placed = True
-            group["hooks"] = kept
-        groups = [g for g in groups if not (isinstance(g, dict) and g.get("hooks") == [])]
-        if not uninstall and not placed:
-            groups.append({"hooks": [ours]})
-        if groups:
-            hooks[event] = groups
-        else:
-            hooks.pop(event, None)
-    if hooks:
-        config["hooks"] = hooks
-    else:
-        config.pop("hooks", None)
-    return config
-
-
-def json_indent(text):
-    for line in (text or "").splitlines()[1:]:
-        stripped = line.lstrip(" ")
-        if stripped and len(stripped) < len(line):
-            return len(line) - len(stripped)
-    return 2
-
-
-def plan_json_settings(name, path, agent, table, uninstall, extra=None):
-    old = read_text(path)
-    if old is None and uninstall:
-        return Plan(name, path, "absent")
-    try:
-        config = json.loads(old) if old and old.strip() else {}
-        if not isinstance(config, dict):
-            raise ValueError("not a JSON object")
-        config = merge_json_hooks(config, agent, table, uninstall)
-        if extra and not uninstall:
-            extra(config)
-    except ValueError as exc:
-        return Plan(name, path, "failed", notes=["%s is not usable (%s); left untouched — fix it and run "
-                                                 "`pinbox init` again" % (path, exc)])
-    new = json.dumps(config, indent=json_indent(old), ensure_ascii=False) + "\n"
-    if uninstall:
-        if new == old:
-            return Plan(name, path, "absent")
-        return Plan(name, path, "removed", new)
-    return Plan(name, path, outcome_for(old, new), None if new == old else new)
-
-
-def allow_pinbox_commands(config):
-    """Lets Claude run `pinbox …` without asking each time."""
-    permissions = config.setdefault("permissions", {})
-    if not isinstance(permissions, dict):
-        raise ValueError('"permissions" is not an object')
-    allow = permissions.setdefault("allow", [])
-    if not isinstance(allow, list):
-        raise ValueError('"permissions.allow" is not a list')
-    if "Bash(pinbox:*)" not in allow:
-        allow.append("Bash(pinbox:*)")
-
-
-def plan_claude(root, uninstall=False, trust=False):
-    return [plan_json_settings("claude", os.path.join(root, ".claude", "settings.json"), "claude", CLAUDE_HOOKS,
-                               uninstall, allow_pinbox_commands)]
-
-
-def codex_home():
-    return os.environ.get("CODEX_HOME") or os.path.join(os.path.expanduser("~"), ".codex")
-
-
-def codex_trust_hash(event, handler):
-    """Codex trusts a hook by this hash of its definition (verified against
-    `codex app-server` hooks/list)."""
-    import hashlib
-    definition = {"event_name": _snake(event), "hooks": [dict(handler, timeout=handler.get("timeout", 600),
-                                                              **{"async": False})]}
-    blob = json.dumps(definition, sort_keys=True, separators=(",", ":"))
-    return "sha256:" + hashlib.sha256(blob.encode("utf-8")).hexdigest()
-
-
-def _snake(name):
-    return "".join("_" + ch.lower() if ch.isupper() else ch for ch in name).lstrip("_")
-
-
-def marked_block_plan(name, path, begin, end, body, uninstall, clash=None):
-    """A block of lines between two marker comments in a config file pinbox does not
-    own (TOML, YAML): added, replaced or removed without touching the rest."""
-    old = read_text(path)
-    text = old or ""
-    parts = None
-    start = text.find(begin + "\n")
-    if start >= 0:
-        stop = text.find(end + "\n", start)
-        if stop >= 0:
-            parts = text[:start], text[stop + len(end) + 1:]
-    if uninstall:
-        if parts is None:
-            return Plan(name, path, "absent")
-        return Plan(name, path, "removed", parts[0] + parts[1])
-    rest = parts[0] + parts[1] if parts else text
-    if clash and clash(rest):
-        return Plan(name, path, "kept", notes=[clash(rest)])
-    block = "%s\n%s%s\n" % (begin, body, end)
-    if parts is not None:
-        new = parts[0] + block + parts[1]
-    else:
-        new = text + ("\n" if text and not text.endswith("\n") else "") + block
-    return Plan(name, path, outcome_for(old, new), None if new == old else new)
-
-
-def plan_codex(root, uninstall=False, trust=False):
-    hooks_path = os.path.join(root, ".codex", "hooks.json")
-    plans = [plan_json_settings("codex", hooks_path, "codex", CODEX_HOOKS, uninstall)]
-    config = os.path.join(codex_home(), "config.toml")
-    begin, end = "# >>> pinbox trust for %s" % root, "# <<< pinbox trust for %s" % root
-    if uninstall or trust:
-        merged = json.loads(plans[0].text or read_text(hooks_path) or "{}") if plans[0].outcome != "failed" else {}
-        existing = read_text(config) or ""
-        outside = existing.split(begin)[0] + existing.split(end)[-1] if begin in existing else existing
-        body = [] if uninstall else codex_trust_lines(root, hooks_path, merged, outside)
-        plans.append(marked_block_plan("codex-trust", config, begin, end, "".join(body), uninstall))
-    elif plans[0].outcome in ("installed", "updated", "unchanged"):
-        plans[0].notes.append(
-            "Codex runs only hooks it trusts, in a trusted project: start `codex` in %s once, trust the project and "
-            "approve pinbox's hooks in /hooks — or run `pinbox init --agent codex --trust` to record that trust in %s"
-            % (root, config))
-    return plans
-
-
-def _toml_key(text):
-    return '"%s"' % text.replace("\\", "\\\\").replace('"', '\\"')
-
-
-def codex_trust_lines(root, hooks_path, config, outside):
-    """TOML tables trusting the project and pinbox's hooks; a table the user's own
-    config already has is left to them (TOML forbids defining one twice)."""
-    lines = []
-
-    def table(header, line):
-        if header not in outside:
-            lines.extend([header + "\n", line + "\n"])
-
-    table("[projects.%s]" % _toml_key(root), 'trust_level = "trusted"')
-    for event, verb, _ in CODEX_HOOKS:
-        for g, group in enumerate(config.get("hooks", {}).get(event, [])):
-            for h, handler in enumerate(group.get("hooks", []) if isinstance(group, dict) else []):
-                if is_pinbox_handler(handler, "codex", verb):
-                    key = "%s:%s:%d:%d" % (hooks_path, _snake(event), g, h)
-                    table("[hooks.state.%s]" % _toml_key(key), 'trusted_hash = "%s"' % codex_trust_hash(event, handler))
-    return lines
-
-
-def hermes_home():
-    return os.environ.get("HERMES_HOME") or os.path.join(os.path.expanduser("~"), ".hermes")
-
-
-def plan_hermes(root, uninstall=False, trust=False):
-    """Hermes reads shell hooks from its own config.yaml (for every project: a hook in
-    a folder without .pinbox/ does nothing). pinbox owns one marked `hooks:` block."""
-    path = os.path.join(hermes_home(), "config.yaml")
-    body = "hooks:\n" + "".join('  %s:\n    - command: %s\n' % (event, json.dumps(agent_hook_command("hermes", verb)))
-                                for event, verb in HERMES_HOOKS)
-
-    def clash(rest):
-        if any(line.startswith("hooks:") for line in rest.splitlines()):
-            return ("%s already has a `hooks:` section; add these entries to it yourself:\n%s"
-                    % (path, body.split("\n", 1)[1]))
-        return None
-
-    plans = [marked_block_plan("hermes", path, "# >>> pinbox hooks", "# <<< pinbox hooks", body, uninstall, clash)]
-    if trust or uninstall:
-        plans.append(plan_hermes_allowlist(uninstall))
-    elif plans[0].outcome in ("installed", "updated", "unchanged"):
-        plans[0].notes.append("Hermes skips shell hooks it has not approved when it runs without a terminal: run "
-                              "`hermes` once and approve them, pass --accept-hooks, or run `pinbox init --agent "
-                              "hermes --trust` to record the approval in %s"
-                              % os.path.join(hermes_home(), "shell-hooks-allowlist.json"))
-    return plans
-
-
-def plan_hermes_allowlist(uninstall):
-    path = os.path.join(hermes_home(), "shell-hooks-allowlist.json")
-    old = read_text(path)
-    try:
-        data = json.loads(old) if old else {}
-        approvals = data.setdefault("approvals", [])
-        if not isinstance(approvals, list):
-            raise ValueError('"approvals" is not a list')
-    except (ValueError, AttributeError) as exc:
-        return Plan("hermes-trust", path, "failed", notes=["%s is not usable (%s); left untouched" % (path, exc)])
-    ours = [{"event": event, "command": agent_hook_command("hermes", verb)} for event, verb in HERMES_HOOKS]
-    mine = [a for a in approvals if isinstance(a, dict) and is_pinbox_handler(a, "hermes", _HERMES_VERB.get(
-        a.get("event"), "?"))]
-    data["approvals"] = [a for a in approvals if a not in mine] + ([] if uninstall else ours)
-    new = json.dumps(data, indent=2) + "\n"
-    if uninstall:
-        return Plan("hermes-trust", path, "removed" if mine else "absent", new if mine else None)
-    return Plan("hermes-trust", path, outcome_for(old, new), None if new == old else new)
-
-
-_HERMES_VERB = {event: verb for event, verb in HERMES_HOOKS}
-AGENT_INSTALLERS = {"claude": plan_claude, "codex": plan_codex, "hermes": plan_hermes}
-
-
-def detected_agents(root):
-    """Agents that look installed here: their binary on PATH or their config folder."""
-    found = []
-    for agent, folder in (("claude", "~/.claude"), ("codex", "~/.codex"), ("hermes", "~/.hermes")):
-        if _which(agent) or os.path.isdir(os.path.expanduser(folder)):
-            found.append(agent)
-    return found
-
-
-def plan_gitignore(root):
-    path = os.path.join(root, ".gitignore")
-    try:
-        with open(path, encoding="utf-8", errors="surrogateescape") as handle:
-            text = handle.read()
-    except FileNotFoundError:
-        return "created", path, ".pinbox/\n"
-    if any(line.strip() in (".pinbox/", ".pinbox", "/.pinbox/", "/.pinbox") for line in text.splitlines()):
-        return "unchanged", path, None
-    return "appended", path, text + ("\n" if text and not text.endswith("\n") else "") + ".pinbox/\n"
-
-
-# ============================================================================
-# CLI: output
-# ============================================================================
-
-class Output:
-    """Where a verb's result goes: the JSON envelope when --json is given or stdout is
-    not a terminal, else facts on stdout and counts on stderr."""
-
-    def __init__(self, json_mode, asked=False):
-        self.json = json_mode
-        self.asked = asked  # --json was given (not just a pipe)
-
-    def result(self, data, facts=None, note=None):
-        if self.json:
-            write_out(json.dumps({"ok": True, "data": data}, indent=2, ensure_ascii=False) + "\n")
-            return
-        if facts:
-            write_out(facts if facts.endswith("\n") else facts + "\n")
-        if note:
-            write_err(note + "\n")
-
-    def error(self, err):
-        if self.json:
-            write_out(json.dumps(err.envelope(), indent=2, ensure_ascii=False) + "\n")
-        else:
-            write_err("pinbox: %s\n%s" % (err.message, err.hint + "\n" if err.hint else ""))
-
-
-def write_out(text):
-    sys.stdout.write(text)
-    sys.stdout.flush()
-
-
-def write_err(text):
-    sys.stderr.write(text)
-    sys.stderr.flush()
-
-
-def pad_columns(rows):
-    """Rows of cells, every column but the last padded to its widest cell."""
-    if not rows:
-        return ""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    lines = []
-    for row in rows:
-        cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])] + [row[-1]]
-        lines.append("  ".join(cells))
-    return "\n".join(lines)
-
-
-def one_line(text):
-    first, _, rest = text.partition("\n")
-    return first + (" …" if rest.strip() else "")
-
-
-# ============================================================================
-# CLI: verbs
-# ============================================================================
-
-class Context:
-    """What every verb gets: its parsed arguments, the output, and (opened on first
-    use) the project's store."""
-
-    def __init__(self, args, output, cwd=None, timeout=BUSY_TIMEOUT_S):
-        self.args = args
-        self.out = output
-        self.cwd = cwd or os.getcwd()
-        self.timeout = timeout
-        self.payload = {}
-        self.identity = None  # (agent, key, cwd) once read
-        self._store = None
-
-    @property
-    def root(self):
-        return find_root(self.cwd)
-
-    @property
-    def store(self):
-        """The store for writing: made on first use."""
-        if self._store is None or not self._store.exists:
-            self.close()
-            self._store = Store(store_dir(self.root), self.timeout)
-        return self._store
-
-    @property
-    def reader(self):
-        """The store for reading: an empty one when the project has none yet."""
-        if self._store is None:
-            self._store = Store(store_dir(self.root), self.timeout, create=False)
-        return self._store
-
-    def close(self):
-        if self._store is not None:
-            self._store.close()
-            self._store = None
-
-
-def read_text_arg(value, what):
-    """A text argument; `-` means read it from stdin (multi-line text, any bytes)."""
-    if value != "-":
-        return value
-    data = sys.stdin.buffer.read(MAX_TEXT_BYTES * 4 + 1)
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise invalid("%s on stdin is not valid UTF-8" % what,
-                      "pinbox stores text as UTF-8; convert it first (for example with iconv -t UTF-8)")
-
-
-def git_stamp(root):
-    """The branch and commit the project is on, for a new pin's env (empty outside git
-    or before the first commit)."""
-    out = git_output(["rev-parse", "HEAD", "--abbrev-ref", "HEAD"], root)
-    lines = (out or "").split()
-    if len(lines) != 2:
-        return {}
-    return {"branch": lines[1], "commit": lines[0]}
-
-
-def git_author(cwd):
-    out = git_output(["config", "--get-regexp", r"^user\.(name|email)$"], cwd) or ""
-    found = {}
-    for line in out.splitlines():
-        key, _, value = line.partition(" ")
-        if value.strip():
-            found[key.split(".")[-1]] = value.strip()
-    author = {"userId": found.get("email") or os.environ.get("USER") or "unknown"}
-    author.update((k, found[k]) for k in ("name", "email") if k in found)
-    return author
-
-
-def file_source(raw, cwd):
-    """`--file path[:line]` → a source target relative to the file's repository."""
-    path, line = raw, None
-    head, sep, tail = raw.rpartition(":")
-    if sep and head and tail.isdigit():
-        path, line = head, int(tail)
-    full = os.path.normpath(os.path.join(cwd, path))
-    if not os.path.isfile(full):
-        raise invalid('no such file: "%s"' % path, "--file takes a path that exists, optionally with :line")
-    folder, name = os.path.split(full)
-    prefix = git_output(["rev-parse", "--show-prefix"], folder)
-    if prefix is not None:
-        rel = prefix.strip() + name
-    elif full.startswith(os.path.abspath(cwd) + os.sep):
-        rel = os.path.relpath(full, cwd)
-    else:
-        rel = full
-    source = {"file": rel}
-    if line is not None:
-        source["line"] = line
-    source["via"] = "none"
-    return source
-
-
-def check_url(raw):
-    from urllib.parse import urlsplit
-    try:
-        parts = urlsplit(raw)
-    except ValueError:
-        parts = None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
-        raise invalid('invalid --url: "%s" (expected an absolute URL)' % raw, usage_hint("pin"))
-    return raw
-
-
-def check_choice(value, flag, choices, verb):
-    if value is None or value in choices:
-        return value
-    expected = " or ".join(choices) if len(choices) == 2 else ", ".join(choices[:-1]) + ", or " + choices[-1]
-    raise invalid('invalid %s: "%s" (expected %s)' % (flag, value, expected), usage_hint(verb))
-
-
-def cmd_pin(ctx):
-    args = ctx.args
-    text = read_text_arg(args.text, "pin text").strip()
-    if not text:
-        raise invalid("pin text must not be empty", 'quote the text: pinbox pin "your text"')
-    clean_text(text, "pin text")
-    if args.selector is not None and args.url is None:
-        raise invalid("--selector needs --url (a selector without a page is not a target)", usage_hint("pin"))
-    target = {}
-    if args.url is not None:
-        target["url"] = check_url(args.url)
-    if args.selector is not None:
-        target["selector"] = args.selector
-    if args.file is not None:
-        target["source"] = file_source(args.file, ctx.cwd)
-    fields = {"text": text, "kind": "note"}
-    if target:
-        fields["target"] = target
-    root = ctx.root
-    fields["env"] = git_stamp(root)
-    fields["author"] = git_author(ctx.cwd)
-    pin = create_pin(ctx.store, fields)
-    if "source" in target:
-        note = "pinned to " + source_ref(target["source"])
-    elif "url" in target:
-        note = "pinned to " + target["url"]
-    else:
-        note = "pinned"
-    ctx.out.result(pin, pin["id"], note)
-
-
-def cmd_list(ctx):
-    status = check_choice(ctx.args.status, "--status", PIN_STATUSES, "list")
-    pins = list_pins(ctx.reader, status, ctx.args.search)
-    now = time.time()
-    rows = [[p["id"], p.get("status", "open"), relative_age(p.get("createdAt"), now).ljust(7),
-             pin_locus(p) or "—", one_line(p.get("text", ""))] for p in pins]
-    counts = {}
-    for p in pins:
-        counts[p.get("status")] = counts.get(p.get("status"), 0) + 1
-    note = "%d pin%s" % (len(pins), "" if len(pins) == 1 else "s")
-    parts = ["%d %s" % (counts[s], s) for s in PIN_STATUSES if counts.get(s)]
-    if parts:
-        note += " (%s)" % ", ".join(parts)
-    ctx.out.result(pins, pad_columns(rows), note)
-
-
-def render_show(pin, thread, now=None):
-    now = time.time() if now is None else now
-    target = pin.get("target") or {}
-    facts = []
-    if target.get("selector"):
-        facts.append(("target", target["selector"] + ("  <%s>" % target["tag"] if target.get("tag") else "")))
-    if source_ref(target.get("source")):
-        facts.append(("source", source_ref(target["source"])))
-    if target.get("url"):
-        facts.append(("url", target["url"]))
-    if isinstance(target.get("rect"), dict):
-        facts.append(("rect", format_rect(target["rect"])))
-    nearby = (target.get("context") or {}).get("nearbyText")
-    if nearby:
-        facts.append(("nearby", '"%s"' % nearby))
-    env = pin.get("env") or {}
-    viewport = env.get("viewport")
-    if isinstance(viewport, dict):
-        shown = "%sx%s@%sx" % tuple(js_number(viewport.get(k)) for k in ("w", "h", "dpr"))
-        for key in ("browser", "os", "colorScheme"):
-            if env.get(key):
-                shown += "  " + env[key]
-        facts.append(("env", shown))
-    git = [part for part in (env.get("branch"), (env.get("commit") or "")[:7]) if part]
-    if git:
-        facts.append(("git", " @ ".join(git)))
-    if (pin.get("author") or {}).get("userId"):
-        facts.append(("author", pin["author"]["userId"]))
-    if pin.get("agentSession"):
-        facts.append(("agent", "%s session %s" % (pin["agentSession"].get("agent"), pin["agentSession"].get("key"))))
-    facts.append(("created", "%s (%s)" % (pin.get("createdAt"), relative_age(pin.get("createdAt"), now))))
-    resolution = pin.get("resolution")
-    if resolution and pin.get("status") == "resolved":
-        line = "by %s, %s" % (resolution.get("by"), relative_age(resolution.get("at"), now))
-        if resolution.get("note"):
-            line += " — " + resolution["note"]
-        facts.append(("resolved", line))
-        if resolution.get("commit"):
-            facts.append(("commit", "%s (%s)" % (resolution["commit"][:7], resolution["commit"])))
-    verification = pin.get("verification")
-    if verification:
-        line = "%s, %s" % (verification.get("outcome"), relative_age(verification.get("at"), now))
-        if verification.get("note"):
-            line += " — " + verification["note"]
-        facts.append(("verified", line))
-    lines = ["%s  %s  %s" % (pin.get("id"), pin.get("status"), pin.get("kind", "note")),
-             "text      " + pin.get("text", "")]
-    lines += ["%s  %s" % (label.ljust(8), value) for label, value in facts]
-    if thread:
-        lines.append("")
-        lines.append(pad_columns([[m.get("role", ""), relative_age(m.get("at"), now), m.get("text", "")]
-                                  for m in thread]))
-    return "\n".join(lines)
-
-
-def cmd_show(ctx):
-    pin = get_pin(ctx.reader, ctx.args.id)
-    thread = get_thread(ctx.reader, pin["id"])
-    deliveries = deliveries_for_pin(ctx.reader, pin["id"])
-    facts = render_show(pin, thread)
-    shown = [d for d in deliveries if d["status"] != "skipped"]  # events that were never for agents
-    if shown:
-        facts += "\n\n" + pad_columns([["delivery", d["event"], d.get("session") or "(no session yet)",
-                                          d["adapter"], d["status"] + (", %d attempt(s)" % d["attempts"] if d["attempts"]
-                                                                       else "") + (" — " + d["lastError"]
-                                                                                   if d.get("lastError") else "")]
-                                         for d in shown])
-    ctx.out.result({"pin": pin, "thread": thread, "deliveries": deliveries}, facts)
-
-
-def check_role(value, verb):
-    return check_choice(value, "--as", ("human", "agent"), verb)
-
-
-def me_or_none(ctx, store):
-    """The calling agent session (--session, else PINBOX_SESSION, else the agent's own
-    variables), or None."""
-    with store.guard():
-        return calling_session(store.conn, ctx.args.session)
-
-
-def speaking_session(ctx, role):
-    """The id of the agent session behind `--as agent`, when it can be told (§4.4)."""
-    if role != "agent":
-        return None
-    session = me_or_none(ctx, ctx.reader)
-    if session is None and ctx.args.session:
-        raise PinboxError("E_NOT_FOUND", "no session %s" % ctx.args.session,
-                          "run `pinbox session list` to see sessions (ses_… ids or agent:key)")
-    return session["id"] if session else None
-
-
-def cmd_reply(ctx):
-    role = check_role(ctx.args.role, "reply")
-    text = read_text_arg(ctx.args.text, "reply text")
-    message = add_message(ctx.store, ctx.args.id, role, text, session=speaking_session(ctx, role))
-    ctx.out.result(message, message["id"], "replied to %s as %s" % (message["pinId"], role))
-
-
-def cmd_resolve(ctx):
-    by = check_role(ctx.args.role, "resolve")
-    pin = resolve_pin(ctx.store, ctx.args.id, by, ctx.args.note, session=speaking_session(ctx, by))
-    ctx.out.result(pin, "%s resolved" % pin["id"],
-                   "by %s%s" % (by, " — " + ctx.args.note if ctx.args.note else ""))
-
-
-def cmd_reopen(ctx):
-    pin = verify_pin(ctx.store, ctx.args.id, "reopened", ctx.args.note)
-    ctx.out.result(pin, "%s reopened" % pin["id"],
-                   "by human%s" % (" — " + ctx.args.note if ctx.args.note else ""))
-
-
-def cmd_summary(ctx):
-    data = summary(ctx.reader)
-    facts = "\n".join(["open        %d" % data["open"], "resolved    %d" % data["resolved"],
-                       "sessions    %d" % data["sessions"], "last event  #%d" % data["lastEventSeq"]])
-    ctx.out.result(data, facts)
-
-
-def cmd_export(ctx):
-    args = ctx.args
-    fmt = args.format or ("json" if ctx.out.asked else "md")
-    # md prints markdown and reports errors on stderr even when piped (unless --json).
-    ctx.out.json = fmt == "json" or ctx.out.asked
-    check_choice(fmt, "--format", ("md", "json"), "export")
-    detail = check_choice(args.detail or "standard", "--detail", ("compact", "standard", "forensic"), "export")
-    status = check_choice(args.status, "--status", PIN_STATUSES, "export")
-    pins = list_pins(ctx.reader, status)
-    if fmt == "json":
-        ctx.out.result(pins)
-        return
-    text = markdown_pins(pins, detail)
-    if text:
-        write_out(text + "\n")
-
-
-def session_ref_args(ctx):
-    """(agent, key, cwd) from a hook payload (--hook) or from --agent/--key."""
-    args = ctx.args
-    if ctx.identity is not None:
-        return ctx.identity
-    if getattr(args, "hook", False):
-        ctx.payload = read_hook_payload()
-        ctx.identity = hook_identity(args, ctx.payload)
-        cwd = ctx.identity[2]
-        if cwd and os.path.isdir(cwd):
-            ctx.cwd = cwd  # the project is where the agent works
-        return ctx.identity
-    if not args.agent or not args.key:
-        raise invalid("missing --agent and --key",
-                      "pass --agent <name> --key <key>, or --hook with the agent's hook payload on stdin")
-    check_session_ref(args.agent, args.key)
-    ctx.identity = (args.agent, args.key, getattr(args, "cwd", None))
-    return ctx.identity
-
-
-def session_store(ctx, create=True):
-    """The store a session verb works on. None for a hook in a folder where pinbox was
-    never set up: a hook never makes a store (global agent hooks run everywhere)."""
-    if ctx.args.hook:
-        session_ref_args(ctx)  # the payload's cwd says which project this is
-        store = ctx.reader
-        return store if store.exists else None
-    return ctx.store if create else ctx.reader
-
-
-def cmd_session_register(ctx):
-    agent, key, cwd = session_ref_args(ctx)
-    store = session_store(ctx)
-    if store is None:
-        return 0
-    with store.guard(), store.write() as conn:
-        session, created = upsert_session(conn, agent, key, cwd)
-        claim_unassigned(conn, session)
-    if ctx.args.hook:
-        write_env_file(session)
-        return 0
-    ctx.out.result(session, session["id"], "%s %s session %s" % ("registered" if created else "refreshed", agent, key))
-
-
-def cmd_session_inject(ctx):
-    agent, key, cwd = session_ref_args(ctx)
-    store = session_store(ctx)
-    if store is None:
-        return 0
-    session, pins, arrivals, delivered = pull_for_session(store, agent, key, cwd)
-    mail = unread_mail_line(store, session["id"])
-    has_news = bool(pins) or bool(arrivals.messages) or bool(mail)
-    context = injection_context(pins, arrivals, [mail] if mail else [])
-    if ctx.args.hook:
-        if has_news:
-            write_out(dumps_compact(hook_context_output(agent, ctx.payload, context)) + "\n")
-        return 0
-    if ctx.args.raw:
-        if has_news:
-            write_out(context + "\n")
-        return 0
-    ctx.out.result({"session": session["id"], "context": context, "pins": pins, "delivered": delivered},
-                   context if has_news else None, "%d open pin(s), %d delivered" % (len(pins), delivered))
-
-
-def cmd_session_pending(ctx):
-    agent, key, _ = session_ref_args(ctx)
-    if ctx.args.hook:
-        store = session_store(ctx)
-        if store is None or agent not in ("claude", "codex"):
-            return 0  # Hermes has no Stop hook to hold
-        arrivals = collect_mid_turn(store, agent, key)
-        if len(arrivals):
-            write_out(dumps_compact({"decision": "block", "reason": stop_context(arrivals)}) + "\n")
-        return 0
-    pins = peek_pending(ctx.reader, agent, key)
-    ctx.out.result({"count": len(pins), "pins": pins}, "\n".join(p["id"] for p in pins) or None,
-                   "%d pending" % len(pins))
-
-
-def named_session(ctx, conn):
-    args = ctx.args
-    if getattr(args, "session", None) is not None or not hasattr(args, "agent"):
-        session = lookup_session(conn, args.session)
-        label = args.session
-    else:
-        agent, key, _ = session_ref_args(ctx)
-        session = find_session(conn, agent, key)
-        label = "%s:%s" % (agent, key)
-    if session is None:
-        raise PinboxError("E_NOT_FOUND", "no session %s" % label,
-                          "run `pinbox session list` to see sessions (ses_… ids or agent:key)")
-    return session
-
-
-def cmd_session_end(ctx):
-    store = session_store(ctx, create=False)
-    if store is None:
-        return 0
-    with store.guard(), store.write() as conn:
-        session = end_session(conn, named_session(ctx, conn))
-    if not ctx.args.hook:
-        ctx.out.result(session, session["id"], "ended %s session %s" % (session["agent"], session["key"]))
-
-
-def cmd_session_forget(ctx):
-    store = ctx.reader
-    with store.guard(), store.write() as conn:
-        session = named_session(ctx, conn)
-        forget_session(conn, session)
-    ctx.out.result(session, session["id"], "forgot %s session %s" % (session["agent"], session["key"]))
-
-
-def session_table(ctx, sessions, last_column):
-    """`session list` and `agent ls`: one row per session, a verb-specific last column."""
-    rows = [[s["id"], s["agent"], s["key"], "active" if is_live(s) else "ended", last_column(s)] for s in sessions]
-    ctx.out.result(sessions, pad_columns(rows) or None, "%d session(s)" % len(sessions))
-
-
-def cmd_session_list(ctx):
-    session_table(ctx, list_sessions(ctx.reader),
-                  lambda s: "seen " + relative_age(s.get("lastSeenAt")) + ("  " + s["cwd"] if s.get("cwd") else ""))
-
-
-def cmd_agent_post(ctx):
-    store = ctx.store
-    text = read_text_arg(ctx.args.text, "message")
-    me = me_or_none(ctx, store)
-    message, pending, unseen = post_message(store, ctx.args.target, text, me["id"] if me else None)
-    ctx.out.result({"id": message["id"], "session": message["session"], "pending": pending, "unseen": unseen},
-                   message["id"], "posted to %s: %d pending, %d unseen" % (message["session"], pending, unseen))
-
-
-def render_inbox(messages, now=None):
-    blocks = []
-    for m in messages:
-        head = "%s  from %s  %s%s" % (m["id"], m["from"] or "the user", relative_age(m["postedAt"], now),
-                                      "" if m["seen"] else "  [new]")
-        blocks.append(head + "\n" + "\n".join("    " + line for line in m["text"].split("\n")))
-    return "\n\n".join(blocks)
-
-
-def cmd_agent_inbox(ctx):
-    args = ctx.args
-    store = ctx.reader
-    me = me_or_none(ctx, store)
-    if args.target:
-        with store.guard():
-            session = lookup_session(store.conn, args.target)
-        if session is None:
-            raise PinboxError("E_NOT_FOUND", "no session %s" % args.target, "run `pinbox agent ls` to see sessions")
-    elif me is None:
-        raise invalid("whose inbox? this process is not an agent session",
-                      "pass the session (ses_… or agent:key), or --session / PINBOX_SESSION for your own")
-    else:
-        session = me
-    if args.wait:
-        import contextlib
-        import signal
-        import threading
-        cancelled = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, lambda *_: cancelled.set())
-        timeout_ms = args.timeout if args.timeout is not None else 600000
-        outcome = wait_for_mail(lambda: contextlib.nullcontext(store), session, timeout_ms / 1000.0, cancelled)
-        if outcome == "gone":
-            raise PinboxError("E_NOT_FOUND", "session %s no longer exists" % session["id"],
-                              "run `pinbox agent ls` to see sessions", exit_code=3)
-        if outcome != "mail":
-            raise PinboxError("E_TIMEOUT", "no new message within %d ms" % timeout_ms if outcome == "timeout"
-                              else "the wait was cut short", "run `pinbox agent inbox --wait` again", exit_code=2)
-    messages = read_inbox(store, session, me["id"] if me else None)
-    with store.guard():
-        pending, unseen, _ = inbox_counts(store.conn, session["id"])
-    ctx.out.result({"session": session["id"], "messages": messages, "pending": pending, "unseen": unseen},
-                   render_inbox(messages) or None, "%d message(s) in %s's inbox" % (len(messages), session["id"]))
-
-
-def cmd_agent_ack(ctx):
-    store = ctx.reader
-    me = me_or_none(ctx, store)
-    if me is None:
-        raise PinboxError("E_FORBIDDEN", "only the receiving session acks its messages",
-                          "run this from the receiving session (PINBOX_SESSION or --session)")
-    acked = ack_messages(store, ctx.args.ids, me["id"])
-    ctx.out.result({"acked": acked}, None, "acked %d message(s)" % len(acked))
-
-
-def cmd_agent_ls(ctx):
-    session_table(ctx, inbox_summary(ctx.reader),
-                  lambda s: "inbox %d pending, %d new%s" % (s["inbox"]["pending"], s["inbox"]["new"],
-                                                           ", parked" if s["inbox"]["parked"] else ""))
-
-
-def cmd_session_trailer(ctx):
-    args = ctx.args
-    commit = read_commit(ctx.cwd, args.commit)
-    if commit is None:
-        raise invalid("git log failed: no commit %s here" % (args.commit or "HEAD"),
-                      "run from inside a git repository, or pass --commit <sha> that exists")
-    sha, message = commit
-    ids = trailer_ids(message)
-    resolved, skipped = [], []
-    if ids:
-        store = ctx.reader
-        if store.exists:
-            resolved, skipped = resolve_from_commit(store, ids, sha, committed_by())
-        else:
-            skipped = ids  # no store: every id is unknown here
-    done = ["resolved %s (%s)" % (pin_id, sha[:7]) for pin_id in resolved]
-    if args.hook:
-        # Inside `git commit`: one quiet line per resolved pin, nothing else.
-        if done:
-            write_err("".join("pinbox: %s\n" % line for line in done))
-        return 0
-    ctx.out.result({"resolved": resolved, "skipped": skipped}, None, "\n".join(done) or None)
-
-
-def parse_agents(raw):
-    if raw is None:
-        return None
-    names = [a.strip() for a in raw.split(",") if a.strip()]
-    if names == ["none"]:
-        return []
-    unknown = [a for a in names if a not in AGENT_INSTALLERS]
-    if unknown:
-        raise invalid("unknown agent target%s: %s" % ("s" if len(unknown) > 1 else "", ", ".join(unknown)),
-                      "valid targets: %s, none" % ", ".join(AGENT_INSTALLERS))
-    return list(dict.fromkeys(names))
-
-
-def cmd_init(ctx):
-    args = ctx.args
-    root = ctx.root
-    agents = parse_agents(args.agent)
-    report, lines, notes = {}, [], []
-    if not args.uninstall:
-        exists = os.path.exists(os.path.join(store_dir(root), "pinbox.db"))
-        report["pinboxDir"] = "unchanged" if exists else "created"
-        if not args.dry_run:
-            ctx.store  # makes .pinbox/ and the database
-        lines.append((".pinbox", report["pinboxDir"]))
-        outcome, path, text = plan_gitignore(root)
-        if not args.dry_run and text is not None:
-            with open(path, "w", encoding="utf-8", errors="surrogateescape") as handle:
-                handle.write(text)
-        report["gitignore"] = outcome
-        lines.append((".gitignore", outcome + " (.pinbox/ entry)"))
-    outcome, path, text, note = plan_git_hook(root, uninstall=args.uninstall)
-    if not args.dry_run:
-        apply_git_hook(outcome, path, text)
-    report["gitHook"] = outcome
-    lines.append(("git-hook", "%s %s" % (outcome, _rel(path, root)) if path else "no git repo — skipped"))
-    if note:
-        notes.append(note)
-    if agents is None:
-        if args.uninstall:
-            agents = list(AGENT_INSTALLERS)
-        elif args.yes:
-            agents = detected_agents(root)
-        else:
-            found = detected_agents(root)
-            agents = []
-            if found:
-                notes.append("agents found: %s — run `pinbox init --agent %s` to deliver pins to them"
-                             % (", ".join(found), ",".join(found)))
-    report["agents"] = []
-    for agent in agents:
-        for plan in AGENT_INSTALLERS[agent](root, uninstall=args.uninstall, trust=args.trust):
-            if not args.dry_run:
-                plan.apply()
-            report["agents"].append(plan.report())
-            notes.extend(plan.notes)
-            if not (args.uninstall and plan.outcome == "absent"):
-                lines.append((plan.name, "%s %s" % (plan.outcome, _rel(plan.path, root))))
-    if args.dry_run:
-        notes.append("dry run: nothing was written")
-    report["notes"] = notes
-    facts = "\n".join("%s  %s  %s" % ("no" if detail.startswith(("kept", "failed")) else "ok", label.ljust(10), detail)
-                      for label, detail in lines)
-    ctx.out.result(report, facts, "\n".join(notes) or None)
-    return 1 if any(a["outcome"] == "failed" for a in report["agents"]) else 0
-
-
-def _rel(path, root):
-    rel = os.path.relpath(path, root)
-    return path if rel.startswith("..") else rel
-
-
-def doctor_checks(ctx):
-    checks = []
-
-    def check(name, probe):
-        try:
-            checks.append({"name": name, "ok": True, "detail": probe()})
-        except Exception as exc:  # a failing probe is a finding, not a crash
-            checks.append({"name": name, "ok": False, "detail": str(exc) or type(exc).__name__})
-
-    def probe_sqlite():
-        conn = sqlite3.connect(":memory:")
-        conn.execute("CREATE TABLE t(x)")
-        conn.execute("INSERT INTO t VALUES (1)")
-        assert conn.execute("SELECT x FROM t").fetchone() == (1,)
-        return "created and read a table in :memory: (SQLite %s)" % sqlite3.sqlite_version
-
-    def probe_fts():
-        conn = sqlite3.connect(":memory:")
-        try:
-            conn.execute("CREATE VIRTUAL TABLE t USING fts5(body)")
-        except sqlite3.OperationalError:
-            return "not in this SQLite build — search scans instead (slower)"
-        conn.execute("INSERT INTO t VALUES ('probe')")
-        conn.execute("SELECT * FROM t WHERE t MATCH 'probe'").fetchall()
-        return "MATCH query answered on a virtual table"
-
-    def probe_state_dir():
-        path = state_dir(ctx.root)
-        old = os.umask(0o077)
-        try:
-            os.makedirs(path, mode=0o700, exist_ok=True)
-            probe = os.path.join(path, ".probe-%d" % os.getpid())
-            with open(probe, "w") as handle:
-                handle.write("ok")
-            os.unlink(probe)
-        finally:
-            os.umask(old)
-        mode = os.stat(path).st_mode & 0o777
-        if mode & 0o077:
-            raise RuntimeError("%s is mode %04o; run chmod 700 on it" % (path, mode))
-        return "%s writable, mode %04o" % (path, mode)
-
-    def probe_db():
-        store = ctx.reader
-        if not store.exists:
-            folder = store.directory
-            while not os.path.isdir(folder):
-                folder = os.path.dirname(folder)
-            if not os.access(folder, os.W_OK):
-                raise RuntimeError("no store yet, and %s is not writable" % folder)
-            return "no store yet; %s is writable, so the first pin will make it" % folder
-        with store.guard():
-            store.conn.execute("BEGIN IMMEDIATE")
-            store.conn.execute("ROLLBACK")
-        return "%s opens for writing" % os.path.relpath(store.path, ctx.root)
-
-    def probe_deliveries():
-        store = ctx.reader
-        with store.guard():
-            failed = store.conn.execute("SELECT COUNT(*), MAX(last_error) FROM deliveries WHERE status = 'failed'"
-                                        ).fetchone()
-            stuck = store.conn.execute(
-                "SELECT COUNT(*) FROM deliveries WHERE status = 'pending' AND session_id IS NOT NULL AND "
-                "due_at IS NOT NULL AND due_at < ?", (iso_time(time.time() - 60),)).fetchone()[0]
-            waiting = store.conn.execute("SELECT COUNT(*) FROM deliveries WHERE status = 'pending' AND "
-                                         "session_id IS NULL").fetchone()[0]
-        if failed[0] or stuck:
-            raise RuntimeError("%d failed (last error: %s), %d overdue — `pinbox show <id>` lists a pin's deliveries"
-                               % (failed[0], failed[1], stuck))
-        return "none failed or overdue; %d waiting for a session to register" % waiting
-
-    check("sqlite", probe_sqlite)
-    check("fts5", probe_fts)
-    check("state-dir", probe_state_dir)
-    check("db-writable", probe_db)
-    check("deliveries", probe_deliveries)
-    return checks
-
-
-def cmd_serve(ctx):
-    args = ctx.args
-    root = os.path.abspath(args.project) if args.project else ctx.root
-    terminal = sys.stdout.isatty()
-
-    def ready(port, token):
-        url = "http://127.0.0.1:%d" % port
-        write_err("pinbox hub for %s listening at %s (pid %d)\n" % (root, url, os.getpid()))
-        if terminal:  # the token goes to a person's terminal, never to a log file
-            write_out("Add the toolbar to a page:\n  <script src=\"%s/toolbar.js\" data-token=\"%s\"></script>\n"
-                      "See pins, sessions and deliveries: %s/#token=%s\n" % (url, token, url, token))
-
-    outcome, other = run_hub(root, args.port, ephemeral_inbox=args.inbox_ephemeral, ready=ready)
-    if outcome == "already":
-        where = "http://127.0.0.1:%d (pid %d)" % (other["port"], other["pid"]) if other else "(starting up)"
-        write_err("pinbox: a hub already runs for %s at %s\n" % (root, where))
-    return 0
-
-
-def cmd_doctor(ctx):
-    checks = doctor_checks(ctx)
-    failing = [c for c in checks if not c["ok"]]
-    facts = "\n".join("%s  %s  %s" % ("ok" if c["ok"] else "no", c["name"].ljust(11), c["detail"]) for c in checks)
-    note = "%d checks, %s" % (len(checks), "%d failing" % len(failing) if failing else "all ok")
-    ctx.out.result({"checks": checks}, facts, note)
-    return 1 if failing else 0
-
-
-# ============================================================================
-# CLI: the parser
-# ============================================================================
-
-HOOK_VERBS = {"register": cmd_session_register, "inject": cmd_session_inject, "pending": cmd_session_pending,
-              "end": cmd_session_end, "trailer": cmd_session_trailer}
-
-VERBS = ("init", "pin", "list", "show", "reply", "resolve", "reopen", "summary", "export",
-         "doctor", "serve", "session", "agent")
-HIDDEN_VERBS = ("serve", "session", "agent")
-
-TOP_HELP = """Usage: pinbox [options] <command> [args]
-
-CLI-first feedback loop: pins dropped on a live app, fixed and resolved by agents.
-
-Options:
-  -V, --version                output the version number
-  --json                       machine output: {"ok":true,"data":…} envelope
-  -h, --help                   display help for command
-
-Commands:
-%s
-
-Run `pinbox <command> --help` for a command's options.
-"""
-
-
-def build_parser():
-    import argparse
-
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):
-            raise invalid(_parser_message(message))
-
-    common = Parser(add_help=False)
-    common.add_argument("--json", action="store_true", help='machine output: {"ok":true,"data":…} envelope')
-    parser = Parser(prog="pinbox", add_help=False, allow_abbrev=False)
-    parser.add_argument("-h", "--help", action="store_true")
-    parser.add_argument("-V", "--version", action="store_true")
-    verbs = parser.add_subparsers(dest="verb", parser_class=Parser)
-    summaries = []
-
-    def verb(name, summary, usage_args=""):
-        sub = verbs.add_parser(name, parents=[common], help=summary, description=summary, allow_abbrev=False)
-        if name not in HIDDEN_VERBS:
-            summaries.append(("%s %s" % (name, usage_args)).strip().ljust(29) + summary)
-        return sub
-
-    def speaker(p):
-        p.add_argument("--as", dest="role", default="human", help="human (default) or agent")
-        p.add_argument("--session", help="the agent session speaking (ses_… or agent:key; default $PINBOX_SESSION)")
-
-    p = verb("pin", "create a pin from the terminal", "[options] <text>")
-    p.add_argument("text", help="what is wrong (quote it; - reads it from stdin)")
-    p.add_argument("--file", metavar="path[:line]", help="anchor the pin to a source file")
-    p.add_argument("--url", help="the page the pin is about (absolute http(s) URL)")
-    p.add_argument("--selector", help="CSS selector of the element (needs --url)")
-    p.set_defaults(run=cmd_pin)
-
-    verb("summary", "counts and the event cursor, in one call").set_defaults(run=cmd_summary)
-
-    p = verb("list", "list pins, newest first", "[options]")
-    p.add_argument("--status", help="open or resolved")
-    p.add_argument("--search", metavar="text", help="only pins whose text or thread mentions this")
-    p.set_defaults(run=cmd_list)
-
-    p = verb("show", "one pin with its full thread", "<id>")
-    p.add_argument("id")
-    p.set_defaults(run=cmd_show)
-
-    p = verb("reply", "add a thread message to a pin", "[options] <id> <text>")
-    p.add_argument("id")
-    p.add_argument("text", help="the message (quote it; - reads it from stdin)")
-    speaker(p)
-    p.set_defaults(run=cmd_reply)
-
-    p = verb("resolve", "mark a pin resolved", "[options] <id>")
-    p.add_argument("id")
-    p.add_argument("--note", help="what was done")
-    speaker(p)
-    p.set_defaults(run=cmd_resolve)
-
-    p = verb("reopen", "reject a fix: open a resolved pin again", "[options] <id>")
-    p.add_argument("id")
-    p.add_argument("--note", help="why the fix is not right")
-    p.set_defaults(run=cmd_reopen)
-
-    p = verb("export", "write pins to stdout as markdown or JSON", "[options]")
-    p.add_argument("--format", help="md (default) or json")
-    p.add_argument("--detail", help="compact, standard (default) or forensic")
-    p.add_argument("--status", help="open or resolved")
-    p.set_defaults(run=cmd_export)
-
-    verb("doctor", "find out why a pin did not reach an agent").set_defaults(run=cmd_doctor)
-
-    p = verb("serve", "run the hub in the foreground (HTTP API, page toolbar, live updates)")
-    p.add_argument("--project", metavar="dir", help="project to serve (default: this one)")
-    p.add_argument("--port", type=int, help="port to bind on 127.0.0.1 (default: the last one, else any free)")
-    p.add_argument("--inbox-ephemeral", action="store_true", help="empty every agent inbox at start")
-    p.set_defaults(run=cmd_serve)
-
-    p = verb("init", "set up pinbox in this project: .pinbox/, .gitignore, the post-commit hook", "[options]")
-    p.add_argument("--dry-run", action="store_true", help="say what would change, change nothing")
-    p.add_argument("--yes", action="store_true", help="accept the defaults without asking")
-    p.add_argument("--agent", help="wire these agents' hooks: comma-separated claude, codex, hermes (or none)")
-    p.add_argument("--trust", action="store_true",
-                   help="also record that you trust the hooks pinbox writes (Codex and Hermes skip untrusted hooks)")
-    p.add_argument("--uninstall", action="store_true", help="take pinbox's hooks out again (the store stays)")
-    p.set_defaults(run=cmd_init)
-
-    session = verb("session", "plumbing for agent and git hooks")
-    session_verbs = session.add_subparsers(dest="session_verb", parser_class=Parser)
-
-    def session_verb(name, summary):
-        return session_verbs.add_parser(name, parents=[common], help=summary, description=summary,
-                                        allow_abbrev=False)
-
-    def identity(p, cwd=False):
-        p.add_argument("--agent", help="|".join(AGENTS))
-        p.add_argument("--key", help="the agent's own session id")
-        if cwd:
-            p.add_argument("--cwd", help="the session's working folder")
-        p.add_argument("--hook", action="store_true", help="read the agent's hook payload on stdin; never fail")
-
-    p = session_verb("register", "register (or refresh) an agent session")
-    identity(p, cwd=True)
-    p.set_defaults(run=cmd_session_register)
-
-    p = session_verb("inject", "pull the open pins (and news on them) into the agent's next turn")
-    identity(p, cwd=True)
-    p.add_argument("--raw", action="store_true", help="print the bare context text")
-    p.set_defaults(run=cmd_session_inject)
-
-    p = session_verb("pending", "what arrived for this session mid-turn (read-only without --hook)")
-    identity(p)
-    p.set_defaults(run=cmd_session_pending)
-
-    p = session_verb("end", "mark a session ended (it can still be resumed)")
-    p.add_argument("session", nargs="?", help="ses_… id or agent:key")
-    identity(p)
-    p.set_defaults(run=cmd_session_end)
-
-    p = session_verb("forget", "delete a session (its pins keep their binding)")
-    p.add_argument("session", help="ses_… id or agent:key")
-    p.set_defaults(run=cmd_session_forget)
-
-    session_verb("list", "registered agent sessions, most recently seen first").set_defaults(run=cmd_session_list)
-
-    agent = verb("agent", "messages between agent sessions: stored, never typed into a turn")
-    agent_verbs = agent.add_subparsers(dest="agent_verb", parser_class=Parser)
-
-    def agent_verb(name, summary):
-        sub = agent_verbs.add_parser(name, parents=[common], help=summary, description=summary, allow_abbrev=False)
-        sub.add_argument("--session", help="who is asking (ses_… or agent:key; default $PINBOX_SESSION)")
-        return sub
-
-    p = agent_verb("post", "leave a message in a session's inbox")
-    p.add_argument("target", metavar="session", help="the receiving session (ses_… or agent:key)")
-    p.add_argument("text", help="the message, quoted as one argument; - reads it from stdin")
-    p.set_defaults(run=cmd_agent_post)
-    p = agent_verb("inbox", "read an inbox (your own by default); reading removes nothing")
-    p.add_argument("target", metavar="session", nargs="?", help="another session's inbox, to peek")
-    p.add_argument("--wait", action="store_true", help="block until there is unseen mail (exit 2 on timeout)")
-    p.add_argument("--timeout", type=int, metavar="ms", help="how long --wait waits (default 600000)")
-    p.set_defaults(run=cmd_agent_inbox)
-    p = agent_verb("ack", "remove messages you handled, by the full ids the inbox printed")
-    p.add_argument("ids", nargs="+", metavar="id")
-    p.set_defaults(run=cmd_agent_ack)
-    agent_verb("ls", "sessions with their inboxes: pending, new, parked").set_defaults(run=cmd_agent_ls)
-
-    p = session_verb("trailer", "resolve the pins a commit message names (Fixes/Resolves/Closes pin_…)")
-    p.add_argument("--commit", metavar="sha", help="the commit to read (default HEAD)")
-    p.add_argument("--hook", action="store_true", help="run as the post-commit hook: quiet, exit 0 whatever happens")
-    p.set_defaults(run=cmd_session_trailer)
-
-    parser.top_help = TOP_HELP % "\n".join("  " + line for line in summaries)
-    return parser
-
-
-def _parser_message(message):
-    """argparse's wording → the original CLI's, which scripts may match on."""
-    import re
-    m = re.match(r"unrecognized arguments: (\S+)", message)
-    if m:
-        token = m.group(1)
-        return ("unknown option '%s'" % token) if token.startswith("-") else ("unexpected argument '%s'" % token)
-    m = re.match(r"argument (?:verb|command|\{.*\}): invalid choice: '([^']*)'", message)
-    if m:
-        return "unknown command '%s'" % m.group(1)
-    m = re.match(r"the following arguments are required: (.+)", message)
-    if m:
-        return "missing required argument '%s'" % m.group(1).split(",")[0].strip()
-    m = re.match(r"argument (\S+?)(?:/\S+)?: expected one argument", message)
-    if m:
-        return "option '%s <value>' argument missing" % m.group(1)
-    return message
-
-
-def _split_json_flag(argv):
-    """--json may stand anywhere before `--`; it decides the output mode even for
-    errors the parser raises."""
-    if "--" in argv:
-        cut = argv.index("--")
-        head, tail = argv[:cut], argv[cut:]
-    else:
-        head, tail = argv, []
-    return "--json" in head, [a for a in head if a != "--json"] + tail
-
-
-def run(argv=None, cwd=None):
-    """Runs one pinbox command line and returns its exit status. Everything a user can
-    get wrong becomes a PinboxError and so an envelope, never a traceback. A hook
-    (--hook) never fails its caller: whatever goes wrong, one line on stderr, exit 0."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    json_flag, argv = _split_json_flag(argv)
-    if argv[:1] == ["session"] and "--hook" in argv:
-        return run_hook(argv[1:], cwd)
-    out = Output(json_flag or not sys.stdout.isatty(), json_flag)
-    verb = next((a for a in argv if a in VERBS), None)
-    ctx = None
-    try:
-        parser = build_parser()
-        if not argv:
-            raise invalid("no command given", usage_hint(None))
-        check_arguments(argv)
-        args = parser.parse_args(argv)
-        for name, value in vars(args).items():
-            if isinstance(value, list) and name != "ids":  # argparse turns `x -- --` into []
-                raise invalid("missing required argument '%s'" % name)
-        if args.version:
-            write_out(VERSION + "\n")
-            return 0
-        if args.help or args.verb is None or not hasattr(args, "run"):
-            write_out(parser.top_help)
-            return 0
-        ctx = Context(args, out, cwd)
-        code = args.run(ctx) or 0
-        # Every command in a project starts its hub, but the hub itself and the commit hook.
-        if (args.verb != "serve" and getattr(args, "session_verb", None) != "trailer"
-                and ctx._store is not None and ctx._store.exists):
-            start_hub_quietly(ctx.root)
-        return code
-    except Exception as exc:
-        err = as_pinbox_error(exc, ctx)
-        if err.code == "E_INVALID_INPUT" and err.hint is None:
-            err.hint = usage_hint(verb)
-        out.error(err)
-        return err.exit_code
-    except KeyboardInterrupt:
-        write_err("pinbox: interrupted\n")
-        return 130
-    finally:
-        if ctx is not None:
-            ctx.close()
-
-
-class HookArgs:
-    """The few flags a hook command takes, parsed without argparse: hooks run on every
-    prompt and every commit, and building the full parser costs more than the work."""
-    FLAGS = ("--commit", "--agent", "--key", "--cwd")
-
-    def __init__(self, argv):
-        self.hook = True
-        self.raw = False
-        self.session = None
-        for flag in self.FLAGS:
-            setattr(self, flag[2:], None)
-        verb, rest = (argv[0], argv[1:]) if argv else (None, [])
-        self.session_verb = verb
-        self.run = HOOK_VERBS.get(verb)
-        if self.run is None:
-            raise invalid("unknown hook command %r" % verb)
-        while rest:
-            flag = rest.pop(0)
-            if flag == "--hook":
-                continue
-            if flag not in self.FLAGS or not rest:
-                raise invalid("unknown or incomplete option %r" % flag)
-            setattr(self, flag[2:], rest.pop(0))
-
-
-def run_hook(argv, cwd=None):
-    """A hook never fails its caller (an agent's turn, a commit): whatever goes wrong
-    is one line on stderr, and the exit status is 0."""
-    ctx = None
-    try:
-        ctx = Context(HookArgs(argv), Output(False), cwd, timeout=HOOK_TIMEOUT_S)
-        ctx.args.run(ctx)
-        if ctx.args.run is not cmd_session_trailer and ctx._store is not None and ctx._store.exists:
-            start_hub_quietly(ctx.root, quick=True)  # never waited for: the prompt goes on
-    except BaseException as exc:  # noqa: B036 — even ^C must not fail a commit
-        if not isinstance(exc, KeyboardInterrupt):
-            write_err("pinbox: %s\n" % as_pinbox_error(exc, ctx).message)
-    finally:
-        if ctx is not None:
-            try:
-                ctx.close()
-            except Exception:
-                pass
-    return 0
-
-
-def as_pinbox_error(exc, ctx):
-    if isinstance(exc, PinboxError):
-        return exc
-    if isinstance(exc, sqlite3.Error):
-        path = ctx._store.path if ctx is not None and ctx._store is not None else "the store"
-        return store_error(path, exc)
-    if isinstance(exc, BrokenPipeError):
-        return PinboxError("E_INTERNAL", "output closed early")
-    if os.environ.get("PINBOX_DEBUG"):
-        import traceback
-        traceback.print_exc()
-    return PinboxError("E_INTERNAL", "%s: %s" % (type(exc).__name__, exc),
-                       "this is a bug in pinbox; set PINBOX_DEBUG=1 to see where")
-
-
-def main():
-    # Undecodable bytes in output never crash a command; they print as escapes.
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.reconfigure(errors="backslashreplace")
-        except (AttributeError, ValueError):
-            pass
-    code = run()
-    if sys.argv[1:2] == ["session"] and "--hook" in sys.argv:
-        # A hook is done once its output is out: skip the interpreter's teardown (and
-        # the WAL checkpoint SQLite runs when the last connection closes; the next
-        # writer does that). Every prompt and every commit waits for this process.
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except OSError:
-            pass
-        os._exit(0)
-    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -4568,7 +4568,7 @@ class TestSecurity(DeliveryCase):
         env = dict(os.environ, PATH=self.env["PATH"])
         with unittest.mock.patch.dict(os.environ, env):
             with self.assertRaises(pinbox.PushFailed) as refused:
-                pinbox.push_resume(event, old, {"id": "pin_0000000000", "text": "t", "status": "open"})
+                pinbox.push_resume(event, old, {"id": "pin_0000000000", "text": "t", "status": "open"}, pinbox.Pushes())
         self.assertTrue(refused.exception.final)
         self.assertFalse(os.path.exists(log))
 
