@@ -329,6 +329,12 @@ MIGRATIONS = {
         " text TEXT NOT NULL, size INTEGER NOT NULL, posted_at TEXT NOT NULL, seen INTEGER NOT NULL DEFAULT 0)",
         "CREATE INDEX IF NOT EXISTS inbox_session ON inbox(session_id, posted_at)",
     ],
+    # A ledger row names its pin: a session claims the rows of open pins without reading
+    # every event, and a pin's resolution drops its unclaimed rows.
+    9: [
+        "ALTER TABLE deliveries ADD COLUMN pin_id TEXT",
+        "CREATE INDEX IF NOT EXISTS deliveries_pin ON deliveries(pin_id)",
+    ],
 }
 SCHEMA_VERSION = max(MIGRATIONS)
 
@@ -341,6 +347,21 @@ def _backfill_numbers(conn):
             continue
         if isinstance(n, int) and n > 0:
             conn.execute("UPDATE pins SET n = ? WHERE rowid = ?", (n, rowid))
+
+
+def _backfill_delivery_pins(conn):
+    """Unclaimed rows get their pin; those of pins no longer open are dropped (an older
+    pinbox left them for the first session to claim, all at once)."""
+    rows = conn.execute("SELECT d.id, e.type, e.payload FROM deliveries d JOIN events e ON e.seq = d.event_seq "
+                        "WHERE d.session_id IS NULL AND d.status = 'pending'").fetchall()
+    for row_id, kind, raw in rows:
+        try:
+            pin_id = deliverable_pin(kind, json.loads(raw))
+        except ValueError:
+            pin_id = None
+        conn.execute("UPDATE deliveries SET pin_id = ? WHERE id = ?", (pin_id, row_id))
+    conn.execute("UPDATE deliveries SET status = 'skipped' WHERE session_id IS NULL AND status = 'pending' "
+                 "AND (pin_id IS NULL OR pin_id NOT IN (SELECT id FROM pins WHERE status = 'open'))")
 
 
 def _backfill_fts(conn):
@@ -368,13 +389,16 @@ class Store:
     """The project's SQLite file. Every write is one short BEGIN IMMEDIATE transaction;
     readers never block writers (WAL)."""
 
-    def __init__(self, directory, timeout=BUSY_TIMEOUT_S, create=True):
+    def __init__(self, directory, timeout=BUSY_TIMEOUT_S, create=True, make_folder=True):
         """`create=False` is for readers: a project with no store yet reads as an empty
-        one, and no file is made."""
+        one, and no file is made. `make_folder=False` (the hub) makes the database again
+        in its folder, never the folder: a project deleted under a hub stays deleted."""
         self.directory = directory
         self.path = os.path.join(directory, "pinbox.db")
         self.exists = os.path.exists(self.path)
         self._fts = None
+        if create and not self.exists and not make_folder and not os.path.isdir(directory):
+            raise PinboxError("E_NOT_FOUND", "the store's folder %s is gone" % directory)
         if create and not self.exists:
             try:
                 os.makedirs(directory, exist_ok=True)
@@ -425,6 +449,8 @@ class Store:
                         raise
                 if number == 6:
                     _backfill_numbers(conn)
+                if number == 9:
+                    _backfill_delivery_pins(conn)
                 conn.execute("PRAGMA user_version = %d" % number)
             self._fts = None
             if self.has_fts():
@@ -1018,16 +1044,20 @@ def deliverable_pin(kind, payload):
 
 
 def route_event(conn, seq, kind, payload):
+    if kind == "pin.resolved":
+        # What nobody claimed need not reach anyone now; a reopen is routed afresh.
+        conn.execute("UPDATE deliveries SET status = 'skipped', updated_at = ? WHERE pin_id = ? AND "
+                     "session_id IS NULL AND status = 'pending'", (iso_time(), payload.get("id")))
     pin_id = deliverable_pin(kind, payload)
     pin = find_pin(conn, pin_id) if pin_id else None
     if pin is None:
-        insert_delivery(conn, seq, None, "none", "skipped")
+        insert_delivery(conn, seq, None, None, "none", "skipped")
         return
     session = target_session(conn, pin)
     if session is None:
-        insert_delivery(conn, seq, None, "none", "pending")  # unassigned: the next session claims it
+        insert_delivery(conn, seq, pin_id, None, "none", "pending")  # unassigned: the next session claims it
     else:
-        insert_delivery(conn, seq, session["id"], *first_adapter(session))
+        insert_delivery(conn, seq, pin_id, session["id"], *first_adapter(session))
 
 
 def target_session(conn, pin):
@@ -1100,18 +1130,21 @@ def clock_stepped_back(now):
     return iso_time(now + 5)
 
 
-def insert_delivery(conn, seq, session_id, adapter, status, due_at=None):
-    conn.execute("INSERT INTO deliveries(event_seq, session_id, adapter, status, attempts, due_at, updated_at) "
-                 "VALUES (?, ?, ?, ?, 0, ?, ?)", (seq, session_id, adapter, status, due_at, iso_time()))
+def insert_delivery(conn, seq, pin_id, session_id, adapter, status, due_at=None):
+    conn.execute("INSERT INTO deliveries(event_seq, pin_id, session_id, adapter, status, attempts, due_at, "
+                 "updated_at) VALUES (?, ?, ?, ?, ?, 0, ?, ?)",
+                 (seq, pin_id, session_id, adapter, status, due_at, iso_time()))
 
 
 def claim_unassigned(conn, session):
     """Rows that waited for any session go to this one (or, if their pin was bound
-    meanwhile, to its session); their pins are bound."""
-    rows = conn.execute("SELECT d.id, e.type, e.payload FROM deliveries d JOIN events e ON e.seq = d.event_seq "
-                        "WHERE d.session_id IS NULL AND d.status = 'pending' ORDER BY d.id").fetchall()
-    for row_id, kind, raw in rows:
-        pin = find_pin(conn, deliverable_pin(kind, json.loads(raw)))
+    meanwhile, to its session); their pins are bound. Only open pins have such rows
+    (a resolution drops them), so a prompt binds what its context shows, however many
+    pins were resolved before any session came."""
+    rows = conn.execute("SELECT id, pin_id FROM deliveries WHERE session_id IS NULL AND status = 'pending' "
+                        "ORDER BY id").fetchall()
+    for row_id, pin_id in rows:
+        pin = find_pin(conn, pin_id) if pin_id else None
         if pin is None:
             conn.execute("UPDATE deliveries SET status = 'skipped', updated_at = ? WHERE id = ?", (iso_time(), row_id))
             continue
@@ -1233,6 +1266,18 @@ def deliveries_for_pin(store, pin_id):
         rows = delivery_rows(store.conn, "WHERE instr(e.payload, ?) > 0 ORDER BY d.id", ('"%s"' % pin_id,))
     return [row for row, payload in rows
             if (payload.get("pinId") if row["event"] == "thread.message" else payload.get("id")) == pin_id]
+
+
+def delivery_health(conn, overdue_before):
+    """How the ledger stands: rows failed for good (and the newest such error), pushes
+    due before `overdue_before` and still pending, and rows waiting for any session."""
+    failed, last_error = conn.execute("SELECT COUNT(*), MAX(last_error) FROM deliveries WHERE status = 'failed'"
+                                      ).fetchone()
+    overdue = conn.execute("SELECT COUNT(*) FROM deliveries WHERE status = 'pending' AND session_id IS NOT NULL "
+                           "AND due_at IS NOT NULL AND due_at < ?", (overdue_before,)).fetchone()[0]
+    waiting = conn.execute("SELECT COUNT(*) FROM deliveries WHERE status = 'pending' AND session_id IS NULL"
+                           ).fetchone()[0]
+    return {"failed": failed, "lastError": last_error, "overdue": overdue, "waiting": waiting}
 
 
 # --- What an agent is shown -----------------------------------------------------
@@ -2168,21 +2213,9 @@ def route(hub, request):
 
 
 def _match(method, parts):
+    """(handler, the path's * parts) of the route a request takes; (None, []) for none."""
     n = len(parts)
-    table = [
-        ("GET", ["health"], r_health), ("GET", ["summary"], r_summary), ("GET", ["events"], r_events),
-        ("GET", ["pins"], r_list_pins), ("POST", ["pins"], r_create_pin), ("GET", ["pins", "*"], r_get_pin),
-        ("GET", ["pins", "*", "thread"], r_get_thread), ("POST", ["pins", "*", "thread"], r_post_thread),
-        ("POST", ["pins", "*", "resolve"], r_resolve), ("POST", ["pins", "*", "verify"], r_verify),
-        ("POST", ["attachments"], r_attachment), ("GET", ["media", "*"], r_media),
-        ("GET", ["sessions"], r_list_sessions), ("POST", ["sessions"], r_register),
-        ("DELETE", ["sessions", "*"], r_end_session), ("POST", ["sessions", "*", "inject"], r_inject),
-        ("GET", ["sessions", "*", "pending"], r_pending), ("GET", ["deliveries"], r_deliveries),
-        ("POST", ["sessions", "*", "inbox"], r_inbox_post), ("GET", ["sessions", "*", "inbox"], r_inbox_read),
-        ("POST", ["sessions", "*", "inbox", "ack"], r_inbox_ack), ("GET", ["agent-inbox", "summary"], r_inbox_summary),
-        ("GET", ["toolbar.js"], r_toolbar), ("GET", [], r_page),
-    ]
-    for verb, pattern, handler in table:
+    for verb, pattern, handler in ROUTES:
         if verb == method and len(pattern) == n and all(p == "*" or p == q for p, q in zip(pattern, parts)):
             return handler, [q for p, q in zip(pattern, parts) if p == "*"]
     return None, []
@@ -2410,6 +2443,23 @@ def r_page(hub, request):
     return Response(200, raw=PAGE_HTML, content_type="text/html; charset=utf-8")
 
 
+# (method, path parts with * for an id, handler): every route the hub answers, but the two
+# the server shell keeps open (/stream, /ws).
+ROUTES = (
+    ("GET", ("health",), r_health), ("GET", ("summary",), r_summary), ("GET", ("events",), r_events),
+    ("GET", ("pins",), r_list_pins), ("POST", ("pins",), r_create_pin), ("GET", ("pins", "*"), r_get_pin),
+    ("GET", ("pins", "*", "thread"), r_get_thread), ("POST", ("pins", "*", "thread"), r_post_thread),
+    ("POST", ("pins", "*", "resolve"), r_resolve), ("POST", ("pins", "*", "verify"), r_verify),
+    ("POST", ("attachments",), r_attachment), ("GET", ("media", "*"), r_media),
+    ("GET", ("sessions",), r_list_sessions), ("POST", ("sessions",), r_register),
+    ("DELETE", ("sessions", "*"), r_end_session), ("POST", ("sessions", "*", "inject"), r_inject),
+    ("GET", ("sessions", "*", "pending"), r_pending), ("GET", ("deliveries",), r_deliveries),
+    ("POST", ("sessions", "*", "inbox"), r_inbox_post), ("GET", ("sessions", "*", "inbox"), r_inbox_read),
+    ("POST", ("sessions", "*", "inbox", "ack"), r_inbox_ack), ("GET", ("agent-inbox", "summary"), r_inbox_summary),
+    ("GET", ("toolbar.js",), r_toolbar), ("GET", (), r_page),
+)
+
+
 # ============================================================================
 # Hub: the server shell
 # ============================================================================
@@ -2615,7 +2665,7 @@ class _Borrowed:
             self.store.close()
             self.store = None
         if self.store is None:
-            self.store = Store(self.hub.directory)
+            self.store = Store(self.hub.directory, make_folder=False)
         return self.store
 
     def __exit__(self, *exc):
@@ -3130,13 +3180,18 @@ def stop_hub(hub, server):
 def handle_stop_signals(hub, server):
     """SIGTERM and SIGINT stop the hub. A handler takes no locks (the main thread may
     hold them): a thread does the work. A second signal, while the first one's teardown
-    hangs (a store locked by another process, say), ends the process where it stands."""
+    hangs (on a store locked by another process, say), ends the process where it stands."""
     import signal
     import threading
 
     def on_signal(signum, frame):
-        if hub.stopping.is_set():
-            raise SystemExit(128 + signum)
+        # The next signal takes the default action, which no hung call in any thread
+        # can hold up (a Python handler would wait for the main thread).
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if hub.stopping.is_set():  # already stopping (idle): this signal ends it now
+            os.kill(os.getpid(), signum)
+            return
         hub.stopping.set()
         threading.Thread(target=stop_hub, args=(hub, server), daemon=True).start()
 
@@ -3991,6 +4046,143 @@ def check_choice(value, flag, choices, verb):
     raise invalid('invalid %s: "%s" (expected %s)' % (flag, value, expected), usage_hint(verb))
 
 
+def check_role(value, verb):
+    return check_choice(value, "--as", ("human", "agent"), verb)
+
+
+def me_or_none(ctx, store):
+    """The calling agent session (--session, else PINBOX_SESSION, else the agent's own
+    variables), or None."""
+    with store.guard():
+        return calling_session(store.conn, ctx.args.session)
+
+
+def speaking_session(ctx, role):
+    """The id of the agent session behind `--as agent`, when it can be told (§4.4)."""
+    if role != "agent":
+        return None
+    session = me_or_none(ctx, ctx.reader)
+    if session is None and ctx.args.session:
+        raise PinboxError("E_NOT_FOUND", "no session %s" % ctx.args.session,
+                          "run `pinbox session list` to see sessions (ses_… ids or agent:key)")
+    return session["id"] if session else None
+
+
+def session_ref_args(ctx):
+    """(agent, key, cwd) from a hook payload (--hook) or from --agent/--key."""
+    args = ctx.args
+    if ctx.identity is not None:
+        return ctx.identity
+    if getattr(args, "hook", False):
+        ctx.payload = read_hook_payload()
+        ctx.identity = hook_identity(args, ctx.payload)
+        cwd = ctx.identity[2]
+        if cwd and os.path.isdir(cwd):
+            ctx.cwd = cwd  # the project is where the agent works
+        return ctx.identity
+    if not args.agent or not args.key:
+        raise invalid("missing --agent and --key",
+                      "pass --agent <name> --key <key>, or --hook with the agent's hook payload on stdin")
+    check_session_ref(args.agent, args.key)
+    ctx.identity = (args.agent, args.key, getattr(args, "cwd", None))
+    return ctx.identity
+
+
+def session_store(ctx, create=True):
+    """The store a session verb works on. None for a hook in a folder where pinbox was
+    never set up: a hook never makes a store (global agent hooks run everywhere)."""
+    if ctx.args.hook:
+        session_ref_args(ctx)  # the payload's cwd says which project this is
+        store = ctx.reader
+        return store if store.exists else None
+    return ctx.store if create else ctx.reader
+
+
+def named_session(ctx, conn):
+    args = ctx.args
+    if getattr(args, "session", None) is not None or not hasattr(args, "agent"):
+        session = lookup_session(conn, args.session)
+        label = args.session
+    else:
+        agent, key, _ = session_ref_args(ctx)
+        session = find_session(conn, agent, key)
+        label = "%s:%s" % (agent, key)
+    if session is None:
+        raise PinboxError("E_NOT_FOUND", "no session %s" % label,
+                          "run `pinbox session list` to see sessions (ses_… ids or agent:key)")
+    return session
+
+
+def session_table(ctx, sessions, last_column):
+    """`session list` and `agent ls`: one row per session, a verb-specific last column."""
+    rows = [[s["id"], s["agent"], s["key"], "active" if is_live(s) else "ended", last_column(s)] for s in sessions]
+    ctx.out.result(sessions, pad_columns(rows) or None, "%d session(s)" % len(sessions))
+
+
+def parse_agents(raw):
+    if raw is None:
+        return None
+    names = [a.strip() for a in raw.split(",") if a.strip()]
+    if names == ["none"]:
+        return []
+    unknown = [a for a in names if a not in AGENT_INSTALLERS]
+    if unknown:
+        raise invalid("unknown agent target%s: %s" % ("s" if len(unknown) > 1 else "", ", ".join(unknown)),
+                      "valid targets: %s, none" % ", ".join(AGENT_INSTALLERS))
+    return list(dict.fromkeys(names))
+
+
+def init_agents(ctx, notes):
+    """The agents `init` wires: those named, else (with --yes) those found here; on
+    --uninstall, every agent."""
+    agents = parse_agents(ctx.args.agent)
+    if agents is not None:
+        return agents
+    if ctx.args.uninstall:
+        return list(AGENT_INSTALLERS)
+    found = detected_agents(ctx.root)
+    if ctx.args.yes:
+        return found
+    if found:
+        notes.append("agents found: %s — run `pinbox init --agent %s` to deliver pins to them"
+                     % (", ".join(found), ",".join(found)))
+    return []
+
+
+def _rel(path, root):
+    rel = os.path.relpath(path, root)
+    return path if rel.startswith("..") else rel
+
+
+def cmd_init(ctx):
+    args, root = ctx.args, ctx.root
+    notes = []
+    agents = init_agents(ctx, notes)
+    plans = [] if args.uninstall else [plan_store(ctx), plan_gitignore(root)]
+    plans.append(plan_git_hook(root, uninstall=args.uninstall))
+    for agent in agents:
+        plans.extend(AGENT_INSTALLERS[agent](root, uninstall=args.uninstall, trust=args.trust))
+    report, lines, agent_reports = {}, [], []
+    for plan in plans:
+        if not args.dry_run:
+            plan.apply()
+        if plan.key:
+            report[plan.key] = plan.outcome
+        else:
+            agent_reports.append(plan.report())
+        notes.extend(plan.notes)
+        if not (args.uninstall and plan.outcome == "absent" and not plan.key):
+            lines.append((plan.name, plan.detail or "%s %s" % (plan.outcome, _rel(plan.path, root))))
+    report["agents"] = agent_reports
+    if args.dry_run:
+        notes.append("dry run: nothing was written")
+    report["notes"] = notes
+    facts = "\n".join("%s  %s  %s" % ("no" if detail.startswith(("kept", "failed")) else "ok", label.ljust(10), detail)
+                      for label, detail in lines)
+    ctx.out.result(report, facts, "\n".join(notes) or None)
+    return 1 if any(plan.outcome == "failed" for plan in plans) else 0
+
+
 def cmd_pin(ctx):
     args = ctx.args
     text = read_text_arg(args.text, "pin text").strip()
@@ -4020,6 +4212,13 @@ def cmd_pin(ctx):
     else:
         note = "pinned"
     ctx.out.result(pin, pin["id"], note)
+
+
+def cmd_summary(ctx):
+    data = summary(ctx.reader)
+    facts = "\n".join(["open        %d" % data["open"], "resolved    %d" % data["resolved"],
+                       "sessions    %d" % data["sessions"], "last event  #%d" % data["lastEventSeq"]])
+    ctx.out.result(data, facts)
 
 
 def cmd_list(ctx):
@@ -4108,28 +4307,6 @@ def cmd_show(ctx):
     ctx.out.result({"pin": pin, "thread": thread, "deliveries": deliveries}, facts)
 
 
-def check_role(value, verb):
-    return check_choice(value, "--as", ("human", "agent"), verb)
-
-
-def me_or_none(ctx, store):
-    """The calling agent session (--session, else PINBOX_SESSION, else the agent's own
-    variables), or None."""
-    with store.guard():
-        return calling_session(store.conn, ctx.args.session)
-
-
-def speaking_session(ctx, role):
-    """The id of the agent session behind `--as agent`, when it can be told (§4.4)."""
-    if role != "agent":
-        return None
-    session = me_or_none(ctx, ctx.reader)
-    if session is None and ctx.args.session:
-        raise PinboxError("E_NOT_FOUND", "no session %s" % ctx.args.session,
-                          "run `pinbox session list` to see sessions (ses_… ids or agent:key)")
-    return session["id"] if session else None
-
-
 def cmd_reply(ctx):
     role = check_role(ctx.args.role, "reply")
     text = read_text_arg(ctx.args.text, "reply text")
@@ -4150,13 +4327,6 @@ def cmd_reopen(ctx):
                    "by human%s" % (" — " + ctx.args.note if ctx.args.note else ""))
 
 
-def cmd_summary(ctx):
-    data = summary(ctx.reader)
-    facts = "\n".join(["open        %d" % data["open"], "resolved    %d" % data["resolved"],
-                       "sessions    %d" % data["sessions"], "last event  #%d" % data["lastEventSeq"]])
-    ctx.out.result(data, facts)
-
-
 def cmd_export(ctx):
     args = ctx.args
     fmt = args.format or ("json" if ctx.out.asked else "md")
@@ -4174,34 +4344,103 @@ def cmd_export(ctx):
         write_out(text + "\n")
 
 
-def session_ref_args(ctx):
-    """(agent, key, cwd) from a hook payload (--hook) or from --agent/--key."""
+def probe_sqlite(ctx):
+    conn = sqlite3.connect(":memory:")
+    conn.execute("CREATE TABLE t(x)")
+    conn.execute("INSERT INTO t VALUES (1)")
+    if conn.execute("SELECT x FROM t").fetchone() != (1,):
+        raise RuntimeError("SQLite %s read back the wrong row" % sqlite3.sqlite_version)
+    return "created and read a table in :memory: (SQLite %s)" % sqlite3.sqlite_version
+
+
+def probe_fts(ctx):
+    conn = sqlite3.connect(":memory:")
+    try:
+        conn.execute("CREATE VIRTUAL TABLE t USING fts5(body)")
+    except sqlite3.OperationalError:
+        return "not in this SQLite build — search scans instead (slower)"
+    conn.execute("INSERT INTO t VALUES ('probe')")
+    conn.execute("SELECT * FROM t WHERE t MATCH 'probe'").fetchall()
+    return "MATCH query answered on a virtual table"
+
+
+def probe_state_dir(ctx):
+    path = state_dir(ctx.root)
+    old = os.umask(0o077)
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        probe = os.path.join(path, ".probe-%d" % os.getpid())
+        write_file(probe, "ok", mode=0o600)
+        os.unlink(probe)
+    finally:
+        os.umask(old)
+    mode = os.stat(path).st_mode & 0o777
+    if mode & 0o077:
+        raise RuntimeError("%s is mode %04o; run chmod 700 on it" % (path, mode))
+    return "%s writable, mode %04o" % (path, mode)
+
+
+def probe_db(ctx):
+    store = ctx.reader
+    if not store.exists:
+        folder = store.directory
+        while not os.path.isdir(folder):
+            folder = os.path.dirname(folder)
+        if not os.access(folder, os.W_OK):
+            raise RuntimeError("no store yet, and %s is not writable" % folder)
+        return "no store yet; %s is writable, so the first pin will make it" % folder
+    with store.guard():
+        store.conn.execute("BEGIN IMMEDIATE")
+        store.conn.execute("ROLLBACK")
+    return "%s opens for writing" % os.path.relpath(store.path, ctx.root)
+
+
+def probe_deliveries(ctx):
+    store = ctx.reader
+    with store.guard():
+        health = delivery_health(store.conn, iso_time(time.time() - 60))
+    if health["failed"] or health["overdue"]:
+        raise RuntimeError("%d failed (last error: %s), %d overdue — `pinbox show <id>` lists a pin's deliveries"
+                           % (health["failed"], health["lastError"], health["overdue"]))
+    return "none failed or overdue; %d waiting for a session to register" % health["waiting"]
+
+
+# What `pinbox doctor` checks, in order: a probe returns what it found, or raises what is wrong.
+DOCTOR_PROBES = (("sqlite", probe_sqlite), ("fts5", probe_fts), ("state-dir", probe_state_dir),
+                 ("db-writable", probe_db), ("deliveries", probe_deliveries))
+
+
+def cmd_doctor(ctx):
+    checks = []
+    for name, probe in DOCTOR_PROBES:
+        try:
+            checks.append({"name": name, "ok": True, "detail": probe(ctx)})
+        except Exception as exc:  # noqa: BLE001 — a failing probe is a finding, not a crash
+            checks.append({"name": name, "ok": False, "detail": str(exc) or type(exc).__name__})
+    failing = [c for c in checks if not c["ok"]]
+    facts = "\n".join("%s  %s  %s" % ("ok" if c["ok"] else "no", c["name"].ljust(11), c["detail"]) for c in checks)
+    note = "%d checks, %s" % (len(checks), "%d failing" % len(failing) if failing else "all ok")
+    ctx.out.result({"checks": checks}, facts, note)
+    return 1 if failing else 0
+
+
+def cmd_serve(ctx):
     args = ctx.args
-    if ctx.identity is not None:
-        return ctx.identity
-    if getattr(args, "hook", False):
-        ctx.payload = read_hook_payload()
-        ctx.identity = hook_identity(args, ctx.payload)
-        cwd = ctx.identity[2]
-        if cwd and os.path.isdir(cwd):
-            ctx.cwd = cwd  # the project is where the agent works
-        return ctx.identity
-    if not args.agent or not args.key:
-        raise invalid("missing --agent and --key",
-                      "pass --agent <name> --key <key>, or --hook with the agent's hook payload on stdin")
-    check_session_ref(args.agent, args.key)
-    ctx.identity = (args.agent, args.key, getattr(args, "cwd", None))
-    return ctx.identity
+    root = os.path.abspath(args.project) if args.project else ctx.root
+    terminal = sys.stdout.isatty()
 
+    def ready(port, token):
+        url = "http://127.0.0.1:%d" % port
+        write_err("pinbox hub for %s listening at %s (pid %d)\n" % (root, url, os.getpid()))
+        if terminal:  # the token goes to a person's terminal, never to a log file
+            write_out("Add the toolbar to a page:\n  <script src=\"%s/toolbar.js\" data-token=\"%s\"></script>\n"
+                      "See pins, sessions and deliveries: %s/#token=%s\n" % (url, token, url, token))
 
-def session_store(ctx, create=True):
-    """The store a session verb works on. None for a hook in a folder where pinbox was
-    never set up: a hook never makes a store (global agent hooks run everywhere)."""
-    if ctx.args.hook:
-        session_ref_args(ctx)  # the payload's cwd says which project this is
-        store = ctx.reader
-        return store if store.exists else None
-    return ctx.store if create else ctx.reader
+    outcome, other = run_hub(root, args.port, ephemeral_inbox=args.inbox_ephemeral, ready=ready)
+    if outcome == "already":
+        where = "http://127.0.0.1:%d (pid %d)" % (other["port"], other["pid"]) if other else "(starting up)"
+        write_err("pinbox: a hub already runs for %s at %s\n" % (root, where))
+    return 0
 
 
 def cmd_session_register(ctx):
@@ -4254,21 +4493,6 @@ def cmd_session_pending(ctx):
                    "%d pending" % len(pins))
 
 
-def named_session(ctx, conn):
-    args = ctx.args
-    if getattr(args, "session", None) is not None or not hasattr(args, "agent"):
-        session = lookup_session(conn, args.session)
-        label = args.session
-    else:
-        agent, key, _ = session_ref_args(ctx)
-        session = find_session(conn, agent, key)
-        label = "%s:%s" % (agent, key)
-    if session is None:
-        raise PinboxError("E_NOT_FOUND", "no session %s" % label,
-                          "run `pinbox session list` to see sessions (ses_… ids or agent:key)")
-    return session
-
-
 def cmd_session_end(ctx):
     store = session_store(ctx, create=False)
     if store is None:
@@ -4287,15 +4511,33 @@ def cmd_session_forget(ctx):
     ctx.out.result(session, session["id"], "forgot %s session %s" % (session["agent"], session["key"]))
 
 
-def session_table(ctx, sessions, last_column):
-    """`session list` and `agent ls`: one row per session, a verb-specific last column."""
-    rows = [[s["id"], s["agent"], s["key"], "active" if is_live(s) else "ended", last_column(s)] for s in sessions]
-    ctx.out.result(sessions, pad_columns(rows) or None, "%d session(s)" % len(sessions))
-
-
 def cmd_session_list(ctx):
     session_table(ctx, list_sessions(ctx.reader),
                   lambda s: "seen " + relative_age(s.get("lastSeenAt")) + ("  " + s["cwd"] if s.get("cwd") else ""))
+
+
+def cmd_session_trailer(ctx):
+    args = ctx.args
+    commit = read_commit(ctx.cwd, args.commit)
+    if commit is None:
+        raise invalid("git log failed: no commit %s here" % (args.commit or "HEAD"),
+                      "run from inside a git repository, or pass --commit <sha> that exists")
+    sha, message = commit
+    ids = trailer_ids(message)
+    resolved, skipped = [], []
+    if ids:
+        store = ctx.reader
+        if store.exists:
+            resolved, skipped = resolve_from_commit(store, ids, sha, committed_by())
+        else:
+            skipped = ids  # no store: every id is unknown here
+    done = ["resolved %s (%s)" % (pin_id, sha[:7]) for pin_id in resolved]
+    if args.hook:
+        # Inside `git commit`: one quiet line per resolved pin, nothing else.
+        if done:
+            write_err("".join("pinbox: %s\n" % line for line in done))
+        return 0
+    ctx.out.result({"resolved": resolved, "skipped": skipped}, None, "\n".join(done) or None)
 
 
 def cmd_agent_post(ctx):
@@ -4368,200 +4610,6 @@ def cmd_agent_ls(ctx):
                                                            ", parked" if s["inbox"]["parked"] else ""))
 
 
-def cmd_session_trailer(ctx):
-    args = ctx.args
-    commit = read_commit(ctx.cwd, args.commit)
-    if commit is None:
-        raise invalid("git log failed: no commit %s here" % (args.commit or "HEAD"),
-                      "run from inside a git repository, or pass --commit <sha> that exists")
-    sha, message = commit
-    ids = trailer_ids(message)
-    resolved, skipped = [], []
-    if ids:
-        store = ctx.reader
-        if store.exists:
-            resolved, skipped = resolve_from_commit(store, ids, sha, committed_by())
-        else:
-            skipped = ids  # no store: every id is unknown here
-    done = ["resolved %s (%s)" % (pin_id, sha[:7]) for pin_id in resolved]
-    if args.hook:
-        # Inside `git commit`: one quiet line per resolved pin, nothing else.
-        if done:
-            write_err("".join("pinbox: %s\n" % line for line in done))
-        return 0
-    ctx.out.result({"resolved": resolved, "skipped": skipped}, None, "\n".join(done) or None)
-
-
-def parse_agents(raw):
-    if raw is None:
-        return None
-    names = [a.strip() for a in raw.split(",") if a.strip()]
-    if names == ["none"]:
-        return []
-    unknown = [a for a in names if a not in AGENT_INSTALLERS]
-    if unknown:
-        raise invalid("unknown agent target%s: %s" % ("s" if len(unknown) > 1 else "", ", ".join(unknown)),
-                      "valid targets: %s, none" % ", ".join(AGENT_INSTALLERS))
-    return list(dict.fromkeys(names))
-
-
-def init_agents(ctx, notes):
-    """The agents `init` wires: those named, else (with --yes) those found here; on
-    --uninstall, every agent."""
-    agents = parse_agents(ctx.args.agent)
-    if agents is not None:
-        return agents
-    if ctx.args.uninstall:
-        return list(AGENT_INSTALLERS)
-    found = detected_agents(ctx.root)
-    if ctx.args.yes:
-        return found
-    if found:
-        notes.append("agents found: %s — run `pinbox init --agent %s` to deliver pins to them"
-                     % (", ".join(found), ",".join(found)))
-    return []
-
-
-def cmd_init(ctx):
-    args, root = ctx.args, ctx.root
-    notes = []
-    agents = init_agents(ctx, notes)
-    plans = [] if args.uninstall else [plan_store(ctx), plan_gitignore(root)]
-    plans.append(plan_git_hook(root, uninstall=args.uninstall))
-    for agent in agents:
-        plans.extend(AGENT_INSTALLERS[agent](root, uninstall=args.uninstall, trust=args.trust))
-    report, lines, agent_reports = {}, [], []
-    for plan in plans:
-        if not args.dry_run:
-            plan.apply()
-        if plan.key:
-            report[plan.key] = plan.outcome
-        else:
-            agent_reports.append(plan.report())
-        notes.extend(plan.notes)
-        if not (args.uninstall and plan.outcome == "absent" and not plan.key):
-            lines.append((plan.name, plan.detail or "%s %s" % (plan.outcome, _rel(plan.path, root))))
-    report["agents"] = agent_reports
-    if args.dry_run:
-        notes.append("dry run: nothing was written")
-    report["notes"] = notes
-    facts = "\n".join("%s  %s  %s" % ("no" if detail.startswith(("kept", "failed")) else "ok", label.ljust(10), detail)
-                      for label, detail in lines)
-    ctx.out.result(report, facts, "\n".join(notes) or None)
-    return 1 if any(plan.outcome == "failed" for plan in plans) else 0
-
-
-def _rel(path, root):
-    rel = os.path.relpath(path, root)
-    return path if rel.startswith("..") else rel
-
-
-def doctor_checks(ctx):
-    checks = []
-
-    def check(name, probe):
-        try:
-            checks.append({"name": name, "ok": True, "detail": probe()})
-        except Exception as exc:  # a failing probe is a finding, not a crash
-            checks.append({"name": name, "ok": False, "detail": str(exc) or type(exc).__name__})
-
-    def probe_sqlite():
-        conn = sqlite3.connect(":memory:")
-        conn.execute("CREATE TABLE t(x)")
-        conn.execute("INSERT INTO t VALUES (1)")
-        assert conn.execute("SELECT x FROM t").fetchone() == (1,)
-        return "created and read a table in :memory: (SQLite %s)" % sqlite3.sqlite_version
-
-    def probe_fts():
-        conn = sqlite3.connect(":memory:")
-        try:
-            conn.execute("CREATE VIRTUAL TABLE t USING fts5(body)")
-        except sqlite3.OperationalError:
-            return "not in this SQLite build — search scans instead (slower)"
-        conn.execute("INSERT INTO t VALUES ('probe')")
-        conn.execute("SELECT * FROM t WHERE t MATCH 'probe'").fetchall()
-        return "MATCH query answered on a virtual table"
-
-    def probe_state_dir():
-        path = state_dir(ctx.root)
-        old = os.umask(0o077)
-        try:
-            os.makedirs(path, mode=0o700, exist_ok=True)
-            probe = os.path.join(path, ".probe-%d" % os.getpid())
-            write_file(probe, "ok", mode=0o600)
-            os.unlink(probe)
-        finally:
-            os.umask(old)
-        mode = os.stat(path).st_mode & 0o777
-        if mode & 0o077:
-            raise RuntimeError("%s is mode %04o; run chmod 700 on it" % (path, mode))
-        return "%s writable, mode %04o" % (path, mode)
-
-    def probe_db():
-        store = ctx.reader
-        if not store.exists:
-            folder = store.directory
-            while not os.path.isdir(folder):
-                folder = os.path.dirname(folder)
-            if not os.access(folder, os.W_OK):
-                raise RuntimeError("no store yet, and %s is not writable" % folder)
-            return "no store yet; %s is writable, so the first pin will make it" % folder
-        with store.guard():
-            store.conn.execute("BEGIN IMMEDIATE")
-            store.conn.execute("ROLLBACK")
-        return "%s opens for writing" % os.path.relpath(store.path, ctx.root)
-
-    def probe_deliveries():
-        store = ctx.reader
-        with store.guard():
-            failed = store.conn.execute("SELECT COUNT(*), MAX(last_error) FROM deliveries WHERE status = 'failed'"
-                                        ).fetchone()
-            stuck = store.conn.execute(
-                "SELECT COUNT(*) FROM deliveries WHERE status = 'pending' AND session_id IS NOT NULL AND "
-                "due_at IS NOT NULL AND due_at < ?", (iso_time(time.time() - 60),)).fetchone()[0]
-            waiting = store.conn.execute("SELECT COUNT(*) FROM deliveries WHERE status = 'pending' AND "
-                                         "session_id IS NULL").fetchone()[0]
-        if failed[0] or stuck:
-            raise RuntimeError("%d failed (last error: %s), %d overdue — `pinbox show <id>` lists a pin's deliveries"
-                               % (failed[0], failed[1], stuck))
-        return "none failed or overdue; %d waiting for a session to register" % waiting
-
-    check("sqlite", probe_sqlite)
-    check("fts5", probe_fts)
-    check("state-dir", probe_state_dir)
-    check("db-writable", probe_db)
-    check("deliveries", probe_deliveries)
-    return checks
-
-
-def cmd_serve(ctx):
-    args = ctx.args
-    root = os.path.abspath(args.project) if args.project else ctx.root
-    terminal = sys.stdout.isatty()
-
-    def ready(port, token):
-        url = "http://127.0.0.1:%d" % port
-        write_err("pinbox hub for %s listening at %s (pid %d)\n" % (root, url, os.getpid()))
-        if terminal:  # the token goes to a person's terminal, never to a log file
-            write_out("Add the toolbar to a page:\n  <script src=\"%s/toolbar.js\" data-token=\"%s\"></script>\n"
-                      "See pins, sessions and deliveries: %s/#token=%s\n" % (url, token, url, token))
-
-    outcome, other = run_hub(root, args.port, ephemeral_inbox=args.inbox_ephemeral, ready=ready)
-    if outcome == "already":
-        where = "http://127.0.0.1:%d (pid %d)" % (other["port"], other["pid"]) if other else "(starting up)"
-        write_err("pinbox: a hub already runs for %s at %s\n" % (root, where))
-    return 0
-
-
-def cmd_doctor(ctx):
-    checks = doctor_checks(ctx)
-    failing = [c for c in checks if not c["ok"]]
-    facts = "\n".join("%s  %s  %s" % ("ok" if c["ok"] else "no", c["name"].ljust(11), c["detail"]) for c in checks)
-    note = "%d checks, %s" % (len(checks), "%d failing" % len(failing) if failing else "all ok")
-    ctx.out.result({"checks": checks}, facts, note)
-    return 1 if failing else 0
-
-
 # ============================================================================
 # CLI: the parser
 # ============================================================================
@@ -4569,7 +4617,8 @@ def cmd_doctor(ctx):
 HOOK_VERBS = {"register": cmd_session_register, "inject": cmd_session_inject, "pending": cmd_session_pending,
               "end": cmd_session_end, "trailer": cmd_session_trailer}
 
-VERBS = ("init", "pin", "list", "show", "reply", "resolve", "reopen", "summary", "export",
+# One order for the verbs: this table, the parser, the help and the cmd_* functions.
+VERBS = ("init", "pin", "summary", "list", "show", "reply", "resolve", "reopen", "export",
          "doctor", "serve", "session", "agent")
 HIDDEN_VERBS = ("serve", "session", "agent")
 
@@ -4613,6 +4662,15 @@ def build_parser():
     def speaker(p):
         p.add_argument("--as", dest="role", default="human", help="human (default) or agent")
         p.add_argument("--session", help="the agent session speaking (ses_… or agent:key; default $PINBOX_SESSION)")
+
+    p = verb("init", "set up pinbox in this project: .pinbox/, .gitignore, the post-commit hook", "[options]")
+    p.add_argument("--dry-run", action="store_true", help="say what would change, change nothing")
+    p.add_argument("--yes", action="store_true", help="accept the defaults without asking")
+    p.add_argument("--agent", help="wire these agents' hooks: comma-separated claude, codex, hermes (or none)")
+    p.add_argument("--trust", action="store_true",
+                   help="also record that you trust the hooks pinbox writes (Codex and Hermes skip untrusted hooks)")
+    p.add_argument("--uninstall", action="store_true", help="take pinbox's hooks out again (the store stays)")
+    p.set_defaults(run=cmd_init)
 
     p = verb("pin", "create a pin from the terminal", "[options] <text>")
     p.add_argument("text", help="what is wrong (quote it; - reads it from stdin)")
@@ -4663,15 +4721,6 @@ def build_parser():
     p.add_argument("--inbox-ephemeral", action="store_true", help="empty every agent inbox at start")
     p.set_defaults(run=cmd_serve)
 
-    p = verb("init", "set up pinbox in this project: .pinbox/, .gitignore, the post-commit hook", "[options]")
-    p.add_argument("--dry-run", action="store_true", help="say what would change, change nothing")
-    p.add_argument("--yes", action="store_true", help="accept the defaults without asking")
-    p.add_argument("--agent", help="wire these agents' hooks: comma-separated claude, codex, hermes (or none)")
-    p.add_argument("--trust", action="store_true",
-                   help="also record that you trust the hooks pinbox writes (Codex and Hermes skip untrusted hooks)")
-    p.add_argument("--uninstall", action="store_true", help="take pinbox's hooks out again (the store stays)")
-    p.set_defaults(run=cmd_init)
-
     session = verb("session", "plumbing for agent and git hooks")
     session_verbs = session.add_subparsers(dest="session_verb", parser_class=Parser)
 
@@ -4710,6 +4759,11 @@ def build_parser():
 
     session_verb("list", "registered agent sessions, most recently seen first").set_defaults(run=cmd_session_list)
 
+    p = session_verb("trailer", "resolve the pins a commit message names (Fixes/Resolves/Closes pin_…)")
+    p.add_argument("--commit", metavar="sha", help="the commit to read (default HEAD)")
+    p.add_argument("--hook", action="store_true", help="run as the post-commit hook: quiet, exit 0 whatever happens")
+    p.set_defaults(run=cmd_session_trailer)
+
     agent = verb("agent", "messages between agent sessions: stored, never typed into a turn")
     agent_verbs = agent.add_subparsers(dest="agent_verb", parser_class=Parser)
 
@@ -4731,11 +4785,6 @@ def build_parser():
     p.add_argument("ids", nargs="+", metavar="id")
     p.set_defaults(run=cmd_agent_ack)
     agent_verb("ls", "sessions with their inboxes: pending, new, parked").set_defaults(run=cmd_agent_ls)
-
-    p = session_verb("trailer", "resolve the pins a commit message names (Fixes/Resolves/Closes pin_…)")
-    p.add_argument("--commit", metavar="sha", help="the commit to read (default HEAD)")
-    p.add_argument("--hook", action="store_true", help="run as the post-commit hook: quiet, exit 0 whatever happens")
-    p.set_defaults(run=cmd_session_trailer)
 
     parser.top_help = TOP_HELP % "\n".join("  " + line for line in summaries)
     return parser
