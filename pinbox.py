@@ -7,7 +7,6 @@ or import it (`import pinbox; pinbox.run(["list", "--json"])`); importing has no
 effects.
 """
 
-import json
 import os
 import sqlite3
 import sys
@@ -223,8 +222,56 @@ def clean_text(text, what):
     return text
 
 
+# JSON without the json package on the paths every prompt takes: json.decoder and
+# json.encoder import re (and re imports enum, functools, …), ~15 ms a hook, more than
+# its work. json.loads and a compact json.dumps run the C accelerator _json anyway:
+# these call it directly, and leave the rest (errors, indent, a Python without _json)
+# to json itself, imported where that is needed.
+try:
+    import _json
+except ImportError:
+    _json = None
+
+
+class _JsonDefaults:
+    """What _json.make_scanner reads off a json.JSONDecoder: json.loads's defaults."""
+    strict = True
+    object_hook = object_pairs_hook = None
+    parse_float, parse_int = float, int
+    parse_constant = {"-Infinity": float("-inf"), "Infinity": float("inf"), "NaN": float("nan")}.__getitem__
+
+
+_json_scan = _json.make_scanner(_JsonDefaults()) if _json else None
+_JSON_SPACE = " \t\n\r"
+
+
+def json_loads(text):
+    """json_loads(text). What the scanner refuses goes to json.loads, which raises
+    json's own error (a ValueError)."""
+    if _json_scan is not None and isinstance(text, str):
+        try:
+            value, end = _json_scan(text, len(text) - len(text.lstrip(_JSON_SPACE)))
+            if not text[end:].strip(_JSON_SPACE):
+                return value
+        except Exception:  # noqa: BLE001 — StopIteration, JSONDecodeError, RecursionError: json says which
+            pass
+    import json
+    return json.loads(text)
+
+
+def _not_json(value):
+    raise TypeError("Object of type %s is not JSON serializable" % type(value).__name__)
+
+
 def dumps_compact(value):
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    """json.dumps(value, ensure_ascii=False, separators=(",", ":"))."""
+    if _json is None:
+        import json
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    # The arguments json.JSONEncoder.iterencode gives it: circular-check markers, default,
+    # the string encoder, indent, key and item separators, sort_keys, skipkeys, allow_nan.
+    encode = _json.make_encoder({}, _not_json, _json.encode_basestring, None, ":", ",", False, False, True)
+    return "".join(encode(value, 0))
 
 
 def js_number(value):
@@ -342,7 +389,7 @@ SCHEMA_VERSION = max(MIGRATIONS)
 def _backfill_numbers(conn):
     for rowid, raw in conn.execute("SELECT rowid, json FROM pins WHERE n IS NULL").fetchall():
         try:
-            n = json.loads(raw).get("n")
+            n = json_loads(raw).get("n")
         except ValueError:
             continue
         if isinstance(n, int) and n > 0:
@@ -356,7 +403,7 @@ def _backfill_delivery_pins(conn):
                         "WHERE d.session_id IS NULL AND d.status = 'pending'").fetchall()
     for row_id, kind, raw in rows:
         try:
-            pin_id = deliverable_pin(kind, json.loads(raw))
+            pin_id = deliverable_pin(kind, json_loads(raw))
         except ValueError:
             pin_id = None
         conn.execute("UPDATE deliveries SET pin_id = ? WHERE id = ?", (pin_id, row_id))
@@ -379,7 +426,7 @@ def _backfill_fts(conn):
 
 def _text_of(raw):
     try:
-        text = json.loads(raw).get("text")
+        text = json_loads(raw).get("text")
     except (ValueError, AttributeError):
         return ""
     return text if isinstance(text, str) else ""
@@ -559,7 +606,7 @@ def events_after(store, seq, limit=500):
     rows = store.conn.execute(
         "SELECT seq, type, at, payload FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
         (seq, limit)).fetchall()
-    return [{"seq": s, "type": t, "at": a, "payload": json.loads(p)} for s, t, a, p in rows]
+    return [{"seq": s, "type": t, "at": a, "payload": json_loads(p)} for s, t, a, p in rows]
 
 
 # ============================================================================
@@ -608,13 +655,13 @@ def _read_pin(conn, pin_id):
     row = conn.execute("SELECT json FROM pins WHERE id = ?", (pin_id,)).fetchone()
     if row is None:
         raise PinboxError("E_NOT_FOUND", "no pin with id %s" % pin_id, NOT_FOUND_HINT)
-    return json.loads(row[0])
+    return json_loads(row[0])
 
 
 def find_pin(conn, pin_id):
     """The pin, or None."""
     row = conn.execute("SELECT json FROM pins WHERE id = ?", (pin_id,)).fetchone()
-    return json.loads(row[0]) if row else None
+    return json_loads(row[0]) if row else None
 
 
 def get_pin(store, pin_id):
@@ -646,7 +693,7 @@ def list_pins(store, status=None, search=None):
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY n DESC, rowid DESC"  # numbers, not clock times: a clock can step back
-        return [json.loads(raw) for (raw,) in store.conn.execute(sql, args)]
+        return [json_loads(raw) for (raw,) in store.conn.execute(sql, args)]
 
 
 def search_pin_ids(store, query):
@@ -681,7 +728,7 @@ def get_thread(store, pin_id):
     with store.guard():
         rows = store.conn.execute(
             "SELECT json FROM thread_messages WHERE pin_id = ? ORDER BY rowid", (pin_id,)).fetchall()
-    return [json.loads(raw) for (raw,) in rows]
+    return [json_loads(raw) for (raw,) in rows]
 
 
 def add_message(store, pin_id, role, text, session=None, origin=None, attachments=None):
@@ -812,7 +859,7 @@ def house_json(value, indent=0, cursor=0, width=80):
     if isinstance(value, dict):
         parts = []
         for key, item in value.items():
-            label = json.dumps(key, ensure_ascii=False)
+            label = dumps_compact(key)
             parts.append(pad + label + ": " + house_json(item, indent + 2, indent + 2 + len(label) + 2, width))
         return "{\n" + ",\n".join(parts) + "\n" + " " * indent + "}"
     parts = [pad + house_json(item, indent + 2, indent + 2, width) for item in value]
@@ -823,13 +870,13 @@ def _inline_json(value):
     if isinstance(value, dict):
         if not value:
             return "{}"
-        return "{ " + ", ".join(json.dumps(k, ensure_ascii=False) + ": " + _inline_json(v)
+        return "{ " + ", ".join(dumps_compact(k) + ": " + _inline_json(v)
                                 for k, v in value.items()) + " }"
     if isinstance(value, list):
         return "[" + ", ".join(_inline_json(v) for v in value) + "]"
     if isinstance(value, float):
         return js_number(value)
-    return json.dumps(value, ensure_ascii=False)
+    return dumps_compact(value)
 
 
 def format_rect(rect):
@@ -1176,7 +1223,7 @@ def mark_delivered(conn, row_ids):
 
 
 def open_pins(conn):
-    return [json.loads(raw) for (raw,) in conn.execute(
+    return [json_loads(raw) for (raw,) in conn.execute(
         "SELECT json FROM pins WHERE status = 'open' ORDER BY n DESC, rowid DESC")]
 
 
@@ -1188,7 +1235,7 @@ class Arrivals:
         self.pins = []
         self.messages = []
         for _row_id, _seq, kind, raw in rows:
-            payload = json.loads(raw)
+            payload = json_loads(raw)
             pin = find_pin(conn, deliverable_pin(kind, payload))
             if pin is None:
                 continue
@@ -1256,7 +1303,7 @@ _DELIVERY_SELECT = ("SELECT d.id, e.seq, e.type, d.session_id, d.adapter, d.stat
 
 def delivery_rows(conn, where, args=()):
     """Ledger rows as records, each with the payload of its event (for filtering)."""
-    return [(ordered(dict(zip(DELIVERY_KEYS, row[:10])), DELIVERY_KEYS), json.loads(row[10]))
+    return [(ordered(dict(zip(DELIVERY_KEYS, row[:10])), DELIVERY_KEYS), json_loads(row[10]))
             for row in conn.execute(_DELIVERY_SELECT + where, args)]
 
 
@@ -1591,7 +1638,7 @@ def claim_due(store, owner, limit=32):
         rows = conn.execute(due, dict(when, limit=limit)).fetchall()
         for row_id, adapter, attempts, session_id, seq, kind, at, raw in rows:
             session = get_session(conn, session_id)
-            payload = json.loads(raw)
+            payload = json_loads(raw)
             pin = find_pin(conn, deliverable_pin(kind, payload))
             if session is None or pin is None:
                 conn.execute("UPDATE deliveries SET status = 'failed', last_error = ?, due_at = NULL, updated_at = ? "
@@ -1689,7 +1736,7 @@ def replay_unrouted(store):
         last = conn.execute("SELECT COALESCE(MAX(event_seq), 0) FROM deliveries").fetchone()[0]
         for seq, kind, raw in conn.execute("SELECT seq, type, payload FROM events WHERE seq > ? ORDER BY seq",
                                            (last,)).fetchall():
-            route_event(conn, seq, kind, json.loads(raw))
+            route_event(conn, seq, kind, json_loads(raw))
         # Only one hub runs per project: any lease still held was left by a dead one.
         conn.execute("UPDATE deliveries SET lease_owner = NULL, lease_until = NULL WHERE lease_until IS NOT NULL")
 
@@ -1784,6 +1831,8 @@ def trailer_pattern():
 def trailer_ids(message):
     """Pin ids a commit message names after Fixes/Resolves/Closes, in order of first
     appearance, lower-cased (an id is never upper case)."""
+    if "pin_" not in message.lower():
+        return []  # most commits: no regular expression, and no re to import
     import re
     found = []
     for match in trailer_pattern().finditer(message):
@@ -2082,7 +2131,7 @@ class Request:
 
     def json(self):
         try:
-            value = json.loads(self.body.decode("utf-8")) if self.body else None
+            value = json_loads(self.body.decode("utf-8")) if self.body else None
         except (UnicodeDecodeError, ValueError):
             value = None
         if not isinstance(value, dict):
@@ -2973,7 +3022,7 @@ def parse_hello(data):
     """(consumerId, lastSeq) of the original toolbar's hello frame; None for anything
     else (not UTF-8, not JSON, not a hello, a field missing or of the wrong type)."""
     try:
-        message = json.loads(data.decode("utf-8"))
+        message = json_loads(data.decode("utf-8"))
     except ValueError:
         return None
     if (isinstance(message, dict) and message.get("type") == "hello"
@@ -3087,6 +3136,7 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
     (SIGTERM, SIGINT) or its project folder is gone; `ready(port, token)` is called once
     it listens. Returns ("stopped", None), or ("already", hub.json of the hub that holds
     the project's lock, or None while that one is starting)."""
+    import json
     import fcntl
     import http.server
     import threading
@@ -3255,7 +3305,7 @@ def project_token(token_path):
 def read_hub_json(path):
     try:
         with open(path) as handle:
-            data = json.load(handle)
+            data = json_loads(handle.read())
         if isinstance(data.get("pid"), int) and isinstance(data.get("port"), int) and isinstance(data.get("token"), str):
             return data
     except (OSError, ValueError, AttributeError):
@@ -3348,7 +3398,7 @@ def read_hook_payload():
     """The agent's hook payload: a JSON object on stdin."""
     data = b"" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.buffer.read()
     try:
-        payload = json.loads(data.decode("utf-8"))
+        payload = json_loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         payload = None
     if not isinstance(payload, dict):
@@ -3415,10 +3465,11 @@ def write_env_file(session):
 # folder is appended to sys.path, so nothing beside pinbox.py can shadow the stdlib.
 # A pinbox that was moved or deleted makes the hook a silent no-op, never a traceback.
 _BOOT_IMPORT = "import sys,os;os.path.exists(%s) or sys.exit(0);sys.path.append(%s);__import__(%s).main()"
-# A copy without the .py suffix (pinbox on PATH) is loaded by path.
+# A copy without the .py suffix (pinbox on PATH) is loaded by path, by its loader alone:
+# importlib.util (module_from_spec) would import contextlib and functools, ~6 ms a hook.
 _BOOT_LOADER = ("import sys,os;os.path.exists(%s) or sys.exit(0);from importlib.machinery import SourceFileLoader as L;"
-                "from importlib.util import spec_from_loader as S,module_from_spec as M;"
-                'l=L("pinbox",%s);m=M(S("pinbox",l));sys.modules["pinbox"]=m;l.exec_module(m);m.main()')
+                'l=L("pinbox",%s);m=type(sys)("pinbox");m.__file__=l.path;sys.modules["pinbox"]=m;l.exec_module(m);'
+                "m.main()")
 
 
 def self_path():
@@ -3428,6 +3479,7 @@ def self_path():
 def hook_command(args):
     """A shell command running this copy of pinbox with `args`, as fast as Python can:
     an absolute interpreter (no pyenv shim), no site-packages (-S), isolated (-I)."""
+    import json
     import shlex
     python = sys.executable or "python3"
     path = self_path()
@@ -3657,11 +3709,12 @@ def json_indent(text):
 
 
 def plan_json_settings(name, path, agent, table, uninstall, extra=None):
+    import json
     old = read_text(path)
     if old is None and uninstall:
         return Plan(name, path, "absent")
     try:
-        config = json.loads(old) if old and old.strip() else {}
+        config = json_loads(old) if old and old.strip() else {}
         if not isinstance(config, dict):
             raise ValueError("not a JSON object")
         config = merge_json_hooks(config, agent, table, uninstall)
@@ -3702,6 +3755,7 @@ def codex_home():
 def codex_trust_hash(event, handler):
     """Codex trusts a hook by this hash of its definition (verified against
     `codex app-server` hooks/list)."""
+    import json
     import hashlib
     definition = {"event_name": _snake(event), "hooks": [dict(handler, timeout=handler.get("timeout", 600),
                                                               **{"async": False})]}
@@ -3745,7 +3799,7 @@ def plan_codex(root, uninstall=False, trust=False):
     config = os.path.join(codex_home(), "config.toml")
     begin, end = "# >>> pinbox trust for %s" % root, "# <<< pinbox trust for %s" % root
     if uninstall or trust:
-        merged = json.loads(plans[0].text or read_text(hooks_path) or "{}") if plans[0].outcome != "failed" else {}
+        merged = json_loads(plans[0].text or read_text(hooks_path) or "{}") if plans[0].outcome != "failed" else {}
         existing = read_text(config) or ""
         outside = existing.split(begin)[0] + existing.split(end)[-1] if begin in existing else existing
         body = [] if uninstall else codex_trust_lines(root, hooks_path, merged, outside)
@@ -3788,6 +3842,7 @@ def hermes_home():
 def plan_hermes(root, uninstall=False, trust=False):
     """Hermes reads shell hooks from its own config.yaml (for every project: a hook in
     a folder without .pinbox/ does nothing). pinbox owns one marked `hooks:` block."""
+    import json
     path = os.path.join(hermes_home(), "config.yaml")
     body = "hooks:\n" + "".join('  %s:\n    - command: %s\n' % (event, json.dumps(agent_hook_command("hermes", verb)))
                                 for event, verb in HERMES_HOOKS)
@@ -3810,10 +3865,11 @@ def plan_hermes(root, uninstall=False, trust=False):
 
 
 def plan_hermes_allowlist(uninstall):
+    import json
     path = os.path.join(hermes_home(), "shell-hooks-allowlist.json")
     old = read_text(path)
     try:
-        data = json.loads(old) if old else {}
+        data = json_loads(old) if old else {}
         approvals = data.setdefault("approvals", [])
         if not isinstance(approvals, list):
             raise ValueError('"approvals" is not a list')
@@ -3886,6 +3942,7 @@ class Output:
         self.asked = asked  # --json was given (not just a pipe)
 
     def result(self, data, facts=None, note=None):
+        import json
         if self.json:
             write_out(json.dumps({"ok": True, "data": data}, indent=2, ensure_ascii=False) + "\n")
             return
@@ -3895,6 +3952,7 @@ class Output:
             write_err(note + "\n")
 
     def error(self, err):
+        import json
         if self.json:
             write_out(json.dumps(err.envelope(), indent=2, ensure_ascii=False) + "\n")
         else:
@@ -4093,6 +4151,8 @@ def session_store(ctx, create=True):
     never set up: a hook never makes a store (global agent hooks run everywhere)."""
     if ctx.args.hook:
         session_ref_args(ctx)  # the payload's cwd says which project this is
+        if not os.path.exists(os.path.join(store_dir(ctx.root), "pinbox.db")):
+            return None  # not even an empty store in memory to open, and its schema to make
         store = ctx.reader
         return store if store.exists else None
     return ctx.store if create else ctx.reader

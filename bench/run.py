@@ -2,7 +2,7 @@
 """pinbox benchmarks: each hot path as the median of repeated runs, side by side with its
 floor measured in the same run. Standard library only.
 
-    python3 bench/run.py [--runs N] [--only NAME[,NAME]] [--json PATH]
+    python3 bench/run.py [--runs N] [--only NAME[,NAME]] [--json PATH] [--baseline OLD/pinbox.py]
 
 Prints a table and writes the same figures as JSON (default bench/results/latest.json).
 """
@@ -104,14 +104,15 @@ def bench_env(workdir):
     return env
 
 
-def fill(store, resolved, open_count):
-    """History: `resolved` resolved pins, then `open_count` open ones."""
+def fill(store, resolved, open_count, module=pinbox):
+    """History: `resolved` resolved pins, then `open_count` open ones (written by
+    `module`, a pinbox)."""
     for i in range(resolved):
-        pin = pinbox.create_pin(store, {"text": "old pin %d, long since fixed" % i,
+        pin = module.create_pin(store, {"text": "old pin %d, long since fixed" % i,
                                         "target": {"url": "http://localhost:3000/", "selector": "#el%d" % i}})
-        pinbox.resolve_pin(store, pin["id"], "agent", commit="0" * 40)
+        module.resolve_pin(store, pin["id"], "agent", commit="0" * 40)
     for i in range(open_count):
-        pinbox.create_pin(store, {"text": "open pin %d: the button is clipped" % i,
+        module.create_pin(store, {"text": "open pin %d: the button is clipped" % i,
                                   "target": {"url": "http://localhost:3000/", "selector": "#open%d" % i}})
 
 
@@ -127,54 +128,88 @@ def timed_rss(command, cwd, env, stdin=b""):
     return (time.perf_counter() - started) * 1000, usage.ru_maxrss
 
 
+# An older pinbox.py to measure beside this one (--baseline): the hooks then alternate,
+# run by run, between a project set up by each.
+BASELINE = None
+
+
+def load_pinbox(path):
+    """A pinbox.py as a module of its own, to fill its stores with its own code."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("pinbox_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def hook_project(workdir, name, env, script, module, open_count):
+    """A project set up by `script` (a pinbox.py) and filled by its module: the hook
+    commands init wrote, by event."""
+    path = os.path.join(workdir, name)
+    make_repo(path, env)
+    subprocess.run([sys.executable, script, "init", "--agent", "claude"], cwd=path, env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    store = module.Store(os.path.join(path, ".pinbox"))
+    fill(store, 10000, open_count, module)
+    store.close()
+    with open(os.path.join(path, ".claude", "settings.json")) as handle:
+        hooks = json.load(handle)["hooks"]
+    return path, {event: groups[0]["hooks"][0]["command"] for event, groups in hooks.items()}
+
+
+def hook_row(name, samples, floor_ms):
+    median = statistics.median(s[0] for s in samples)
+    return dict(name=name, **summarize([s[0] for s in samples]), rss_kib=max(s[1] for s in samples),
+                over_floor_ms=round(median - floor_ms, 2), target_over_floor_ms=15)
+
+
 def bench_hooks(runs, workdir):
     """The agent hooks, run exactly as `init` writes them (through sh, like the agents),
-    with 0, 10 and 100 open pins over 10,000 resolved ones, beside the floor."""
+    with 0, 10 and 100 open pins over 10,000 resolved ones, beside the floor (and beside
+    the same hooks of --baseline, run for run)."""
     env = bench_env(workdir)
-    rows = []
     floor = [timed_rss(["sh", "-c", " ".join(FLOOR[:3]) + " 'pass'"], workdir, env) for _ in range(runs)]
-    rows.append(dict(name="floor: sh -c 'python3 -I -S -c pass'", **summarize([f[0] for f in floor]),
-                     rss_kib=max(f[1] for f in floor)))
+    rows = [dict(name="floor: sh -c 'python3 -I -S -c pass'", **summarize([f[0] for f in floor]),
+                 rss_kib=max(f[1] for f in floor))]
+    floor_ms = rows[0]["median_ms"]
+    versions = [("", os.path.join(ROOT, "pinbox.py"), pinbox)]
+    if BASELINE:
+        versions.append((" [baseline]", BASELINE, load_pinbox(BASELINE)))
     for open_count in (0, 10, 100):
-        repo = project(workdir, "hooks-%d" % open_count, env)
-        store = pinbox.Store(os.path.join(repo, ".pinbox"))
-        fill(store, 10000, open_count)
-        store.close()
-        with open(os.path.join(repo, ".claude", "settings.json")) as handle:
-            hooks = json.load(handle)["hooks"]
-        command = {event: groups[0]["hooks"][0]["command"] for event, groups in hooks.items()}
-        payload = json.dumps({"session_id": "bench", "cwd": repo, "hook_event_name": "UserPromptSubmit"}).encode()
+        projects = [hook_project(workdir, "hooks-%d%s" % (open_count, "-base" * n), env, script, module, open_count)
+                    for n, (_, script, module) in enumerate(versions)]
+        events = ("SessionStart", "UserPromptSubmit", "Stop") if open_count == 10 else ("UserPromptSubmit",)
         if open_count == 10:
-            rows.append(first_prompt_row(runs, repo, env, command["UserPromptSubmit"], rows[0]["median_ms"]))
-        for event in (("SessionStart", "UserPromptSubmit", "Stop") if open_count == 10 else ("UserPromptSubmit",)):
-            samples = [timed_rss(["sh", "-c", command[event]], repo, env, payload) for _ in range(runs)]
-            median = statistics.median(s[0] for s in samples)
-            rows.append(dict(name="%s hook, %d open / 10,000 resolved" % (event, open_count),
-                             **summarize([s[0] for s in samples]), rss_kib=max(s[1] for s in samples),
-                             over_floor_ms=round(median - rows[0]["median_ms"], 2), target_over_floor_ms=15))
+            events = ("first",) + events
+        for event in events:
+            samples = [[] for _ in versions]
+            for i in range(runs if event != "first" else max(3, runs // 5)):  # a slow baseline takes seconds
+                for n, (repo, command) in enumerate(projects):
+                    samples[n].append(first_prompt(repo, env, command["UserPromptSubmit"], i) if event == "first"
+                                      else timed_rss(["sh", "-c", command[event]], repo, env, hook_payload(repo)))
+            for n, (label, _, _) in enumerate(versions):
+                name = ("UserPromptSubmit hook, first prompt ever" if event == "first" else "%s hook" % event)
+                rows.append(hook_row("%s, %d open / 10,000 resolved%s" % (name, open_count, label), samples[n],
+                                     floor_ms))
     return rows
 
 
-def first_prompt_row(runs, repo, env, command, floor_ms):
-    """The first prompt of the first session in a project whose pins gathered before any
-    session existed: each run starts again from the same store, copied in untimed."""
+def hook_payload(repo, key="bench"):
+    return json.dumps({"session_id": key, "cwd": repo, "hook_event_name": "UserPromptSubmit"}).encode()
+
+
+def first_prompt(repo, env, command, i):
+    """(ms, RSS) of the first prompt of the first session in a project whose pins gathered
+    before any session existed: the store is put back as it was first, untimed."""
     db = os.path.join(repo, ".pinbox", "pinbox.db")
     template = db + ".bench-template"
-    shutil.copyfile(db, template)
-    samples = []
-    for i in range(runs):
-        for suffix in ("-wal", "-shm"):
-            if os.path.exists(db + suffix):
-                os.unlink(db + suffix)
-        shutil.copyfile(template, db)
-        payload = json.dumps({"session_id": "first-%d" % i, "cwd": repo, "hook_event_name": "UserPromptSubmit"})
-        samples.append(timed_rss(["sh", "-c", command], repo, env, payload.encode()))
+    if not os.path.exists(template):
+        shutil.copyfile(db, template)
+    for suffix in ("-wal", "-shm"):
+        if os.path.exists(db + suffix):
+            os.unlink(db + suffix)
     shutil.copyfile(template, db)
-    os.unlink(template)
-    median = statistics.median(s[0] for s in samples)
-    return dict(name="UserPromptSubmit hook, first prompt ever, 10 open / 10,000 resolved",
-                **summarize([s[0] for s in samples]), rss_kib=max(s[1] for s in samples),
-                over_floor_ms=round(median - floor_ms, 2), target_over_floor_ms=15)
+    return timed_rss(["sh", "-c", command], repo, env, hook_payload(repo, "first-%d" % i))
 
 
 def bench_cli(runs, workdir):
@@ -344,7 +379,8 @@ def bench_delivery(runs, workdir):
     proc, hub = start_hub(repo, env)
     try:
         # Throughput: a burst of 500 pins, all for an ended session with no agent binary.
-        ids = [pinbox.create_pin(store, {"text": "burst %d" % i, "agentSession": ref})["id"] for i in range(500)]
+        for i in range(500):
+            pinbox.create_pin(store, {"text": "burst %d" % i, "agentSession": ref})
         started = time.perf_counter()
         while len(received) < 500 and time.perf_counter() - started < 120:
             time.sleep(0.01)
@@ -459,7 +495,10 @@ def main():
     parser.add_argument("--runs", type=int, default=30, help="repetitions per measurement (default 30)")
     parser.add_argument("--only", help="comma-separated benchmark names: " + ", ".join(BENCHMARKS))
     parser.add_argument("--json", default=os.path.join(HERE, "results", "latest.json"), help="where to write JSON")
+    parser.add_argument("--baseline", metavar="pinbox.py", help="an older pinbox.py whose hooks run beside these")
     args = parser.parse_args()
+    global BASELINE
+    BASELINE = args.baseline and os.path.abspath(args.baseline)
     names = args.only.split(",") if args.only else list(BENCHMARKS)
     rows = []
     print("%-58s %10s %10s %9s  %s" % ("measurement", "median ms", "p90 ms", "peak RSS", "target"), flush=True)
