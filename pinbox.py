@@ -2086,11 +2086,16 @@ def wait_for_mail(borrow, session, timeout, cancelled=None):
             with borrow() as store:
                 if not os.path.exists(store.path) or (cancelled is not None and cancelled.is_set()):
                     return "cut"
-                with store.guard():
-                    if get_session(store.conn, session["id"]) is None:
-                        return "gone"
-                    if inbox_counts(store.conn, session["id"])[1]:
-                        return "mail"
+                try:
+                    with store.guard():
+                        if get_session(store.conn, session["id"]) is None:
+                            return "gone"
+                        if inbox_counts(store.conn, session["id"])[1]:
+                            return "mail"
+                except PinboxError:
+                    if not os.path.exists(store.path):
+                        return "cut"  # removed while it was being read
+                    raise
             left = deadline - time.monotonic()
             if left <= 0:
                 return "timeout"
