@@ -4874,6 +4874,12 @@ def _parser_message(message):
     return message
 
 
+def is_hook_command(argv):
+    """`session <verb> --hook …` (--json anywhere before `--`): a hook that never fails."""
+    argv = _split_json_flag(argv)[1]
+    return argv[:1] == ["session"] and "--hook" in argv
+
+
 def _split_json_flag(argv):
     """--json may stand anywhere before `--`; it decides the output mode even for
     errors the parser raises."""
@@ -4894,9 +4900,9 @@ def run(argv=None, cwd=None):
     get wrong becomes a PinboxError and so an envelope, never a traceback. A hook
     (--hook) never fails its caller: whatever goes wrong, one line on stderr, exit 0."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if is_hook_command(argv):
+        return run_hook(_split_json_flag(argv)[1][1:], cwd)
     json_flag, argv = _split_json_flag(argv)
-    if argv[:1] == ["session"] and "--hook" in argv:
-        return run_hook(argv[1:], cwd)
     out = Output(json_flag or not sys.stdout.isatty(), json_flag)
     verb = next((a for a in argv if a in VERBS), None)
     ctx = None
@@ -5005,7 +5011,7 @@ def main():
         except (AttributeError, ValueError):
             pass
     code = run()
-    if sys.argv[1:2] == ["session"] and "--hook" in sys.argv:
+    if is_hook_command(sys.argv[1:]):
         # A hook is done once its output is out: skip the interpreter's teardown (and
         # the WAL checkpoint SQLite runs when the last connection closes; the next
         # writer does that). Every prompt and every commit waits for this process.

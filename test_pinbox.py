@@ -4189,6 +4189,17 @@ class TestHooksFailOpen(HookCase):
             # locked store after 0.5 s, where any other command waits 10 s.
             self.assertLess(elapsed, 5, verb)
 
+    def test_a_hook_exits_0_however_it_is_called(self):
+        for args in (("--json", "session", "pending", "--hook"), ("session", "--json", "inject", "--hook", "--bogus")):
+            r = self.run_pinbox(*args, stdin=b"not json")
+            self.assertEqual((r.code, r.out), (0, ""), (args, r))
+        import contextlib
+        import io
+        stdin = io.TextIOWrapper(io.BytesIO(b"not json"))
+        with unittest.mock.patch.object(sys, "stdin", stdin), contextlib.redirect_stderr(io.StringIO()) as err:
+            self.assertEqual(pinbox.run(["session", "inject", "--hook", "--agent", "claude"], cwd=self.repo), 0)
+        self.assertIn("not a JSON object", err.getvalue())
+
     def test_garbage_on_stdin(self):
         self.pin()
         for garbage in (b"not json", b"\xff\xfe\x00", b"[1, 2]", b'{"session_id": 5}', b"", b"[" * 100000,
