@@ -2489,6 +2489,22 @@ def r_deliveries(hub, request):
     return Response(200, [row for row, _ in rows])
 
 
+def r_open_proxy(hub, request):
+    """A page proxy for an app (`pinbox open <url>`): where to open it."""
+    upstream = request.json().get("upstream")
+    if not isinstance(upstream, str):
+        raise invalid("upstream: expected the app's URL", 'POST /proxies {"upstream": "http://localhost:5173"}')
+    scheme, host, port = parse_upstream(upstream)
+    proxy_port = hub.open_proxy((scheme, host, port))
+    name = "localhost" if host == "localhost" else "127.0.0.1"  # the app's cookies are for its own host name
+    return Response(201, {"upstream": origin_of(scheme, host, port), "port": proxy_port,
+                          "url": "http://%s:%d/" % (name, proxy_port)})
+
+
+def r_demo(hub, request):
+    return Response(200, raw=DEMO_HTML, content_type="text/html; charset=utf-8")
+
+
 def r_toolbar(hub, request):
     return Response(200, raw=TOOLBAR_JS, content_type="application/javascript; charset=utf-8")
 
@@ -2510,6 +2526,7 @@ ROUTES = (
     ("GET", ("sessions", "*", "pending"), r_pending), ("GET", ("deliveries",), r_deliveries),
     ("POST", ("sessions", "*", "inbox"), r_inbox_post), ("GET", ("sessions", "*", "inbox"), r_inbox_read),
     ("POST", ("sessions", "*", "inbox", "ack"), r_inbox_ack), ("GET", ("agent-inbox", "summary"), r_inbox_summary),
+    ("POST", ("proxies",), r_open_proxy), ("GET", ("demo",), r_demo),
     ("GET", ("toolbar.js",), r_toolbar), ("GET", (), r_page),
 )
 
@@ -2519,7 +2536,8 @@ ROUTES = (
 # ============================================================================
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
-PUBLIC_ROUTES = (("GET", "/health"), ("GET", "/toolbar.js"), ("GET", "/"))
+# The demo page holds no secret: it reads the token from its own URL's fragment.
+PUBLIC_ROUTES = (("GET", "/health"), ("GET", "/toolbar.js"), ("GET", "/"), ("GET", "/demo"))
 TOKEN_IN_QUERY = ("/stream", "/ws")  # EventSource and WebSocket cannot send headers
 MAX_CONNECTIONS = 512
 
@@ -2551,6 +2569,9 @@ class Hub:
         self.listeners = {}
         self.stopping = threading.Event()  # set once: every thread of this hub winds down
         self.pushes = Pushes()
+        self.activity = Activity()  # every server of the hub (its API, its page proxies) touches it
+        self.port = None
+        self.proxies = {}  # (scheme, host, port) of an app -> the page proxy serving it
         self._heard = time.monotonic()
         self._poke = threading.Event()
         self.last_seq = 0
@@ -2564,6 +2585,19 @@ class Hub:
     def store(self):
         """`with hub.store() as store:` — a connection from the pool, for one request."""
         return _Borrowed(self)
+
+    def open_proxy(self, upstream):
+        """The port of the page proxy for an app, started the first time it is asked for."""
+        with self._lock:
+            server = self.proxies.get(upstream)
+            if server is None:
+                server = self.proxies[upstream] = start_proxy(self, self.activity, upstream)
+        return server.server_address[1]
+
+    def close_proxies(self):
+        for server in list(self.proxies.values()):
+            server.shutdown()
+            server.server_close()
 
     def close(self):
         with self._lock:
@@ -3160,10 +3194,10 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
         handler_class = type("Handler", (HubHandler, http.server.BaseHTTPRequestHandler), {})
         wanted = port if port is not None else last_port(port_path)
         try:
-            server = server_class(("127.0.0.1", wanted or 0), handler_class, hub, Activity())
+            server = server_class(("127.0.0.1", wanted or 0), handler_class, hub, hub.activity)
         except OSError:
-            server = server_class(("127.0.0.1", 0), handler_class, hub, Activity())  # taken: any free port
-        bound = server.server_address[1]
+            server = server_class(("127.0.0.1", 0), handler_class, hub, hub.activity)  # taken: any free port
+        bound = hub.port = server.server_address[1]
         write_file(port_path, "%d\n" % bound, private=True)
         write_file(hub_json, json.dumps({"pid": os.getpid(), "port": bound, "token": hub.token,
                                          "version": VERSION}, indent=2) + "\n", private=True)
@@ -3188,6 +3222,7 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
         if server is not None:
             server.server_close()
         if hub is not None:
+            hub.close_proxies()
             hub.close()
         lock.close()
     return "stopped", None
@@ -3281,8 +3316,423 @@ def finish_requests(hub, server, owner):
 
 
 # ============================================================================
+# Hub: the page proxy
+# ============================================================================
+
+# `pinbox open <url>`: the hub serves a dev server's pages on a port of its own, with the
+# toolbar's tag in every HTML page, and passes everything else through as it came: any
+# method, path, query and body; streamed responses; WebSocket upgrades (hot reload)
+# tunnelled byte for byte. It forwards only to the URL it was given, and only for
+# requests that name the loopback: it is never an open proxy.
+
+HOP_HEADERS = ("connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te",
+               "trailer", "transfer-encoding", "upgrade")
+HTML_TYPES = ("text/html", "application/xhtml+xml")
+
+
+def parse_upstream(raw):
+    """(scheme, host, port) of the app `pinbox open` is given: `http://localhost:5173`,
+    `localhost:5173` or `:3000` (this machine). http(s) only, a host, no credentials."""
+    from urllib.parse import urlsplit
+    text = (raw or "").strip()
+    if text.startswith(":"):
+        text = "localhost" + text
+    if "://" not in text:
+        text = "http://" + text
+    try:
+        split = urlsplit(text)
+        port = split.port
+    except ValueError:
+        split = port = None
+    if split is None or split.scheme not in ("http", "https") or not split.hostname or split.username:
+        raise invalid("%r is not the address of a web app" % raw,
+                      "give its URL, e.g. `pinbox open http://localhost:5173` (or just :5173)")
+    return split.scheme, split.hostname, port or (443 if split.scheme == "https" else 80)
+
+
+def origin_of(scheme, host, port):
+    default = {"http": 80, "https": 443}[scheme]
+    host = "[%s]" % host if ":" in host else host
+    return "%s://%s" % (scheme, host) + ("" if port == default else ":%d" % port)
+
+
+def amend_csp(policy, origin):
+    """A Content-Security-Policy with `origin` allowed for scripts and for connections
+    (fetch, EventSource), and nothing else loosened; with the nonce our script tag needs
+    when the policy trusts scripts by nonce (a host is ignored beside 'strict-dynamic')."""
+    directives = [d.split() for d in policy.split(";") if d.strip()]
+    named = {d[0].lower(): d for d in directives}
+    nonce = None
+    for name in ("script-src", "script-src-elem", "connect-src"):
+        directive = named.get(name)
+        if directive is None and name != "script-src-elem" and "default-src" in named:
+            directive = [name] + named["default-src"][1:]  # it stood in for this one: now said apart
+            directives.append(directive)
+            named[name] = directive
+        if directive is None:
+            continue
+        if name != "connect-src":
+            nonce = nonce or next((t[7:-1] for t in directive[1:] if t.startswith("'nonce-") and t.endswith("'")), None)
+        if "'none'" in [t.lower() for t in directive[1:]]:
+            directive[1:] = [t for t in directive[1:] if t.lower() != "'none'"]
+        if origin not in directive[1:]:
+            directive.append(origin)
+    return "; ".join(" ".join(d) for d in directives), nonce
+
+
+def toolbar_tag(hub_origin, token, nonce=None):
+    return ('<script src="%s/toolbar.js" data-token="%s"%s></script>'
+            % (hub_origin, token, ' nonce="%s"' % nonce if nonce else ""))
+
+
+def inject_toolbar(html, hub_origin, token, header_nonce=None):
+    """An HTML page (bytes) with the toolbar's tag before </body> (else </head>, else at
+    the end), and each <meta> Content-Security-Policy amended to allow the hub."""
+    import re
+    nonces = [header_nonce] if header_nonce else []
+
+    def meta(match):
+        from html import unescape
+        amended, nonce = amend_csp(unescape(match.group(3).decode("latin-1")), hub_origin)
+        if nonce:
+            nonces.append(nonce)
+        quote = match.group(2).decode()
+        amended = amended.replace("&", "&amp;").replace(quote, "&quot;" if quote == '"' else "&#39;")
+        return match.group(1) + amended.encode("latin-1") + match.group(4)
+
+    html = re.sub(rb"""(?is)(<meta\b[^>]*?http-equiv\s*=\s*["']?content-security-policy["']?[^>]*?"""
+                  rb"""\bcontent\s*=\s*(["']))(.*?)(\2)""", meta, html)
+    tag = toolbar_tag(hub_origin, token, nonces[0] if nonces else None).encode("utf-8")
+    for closing in (rb"(?i)</body\s*>", rb"(?i)</head\s*>"):
+        found = list(re.finditer(closing, html))
+        if found:
+            at = found[-1].start()
+            return html[:at] + tag + html[at:]
+    return html + tag
+
+
+def decoded_body(body, encoding):
+    """A body without its Content-Encoding (gzip, deflate), or None for one pinbox cannot
+    read (br, zstd): that page passes through without the toolbar, never garbled."""
+    import zlib
+    encoding = (encoding or "identity").strip().lower()
+    try:
+        if encoding in ("", "identity"):
+            return body
+        if encoding in ("gzip", "x-gzip"):
+            return zlib.decompress(body, 16 + zlib.MAX_WBITS)
+        if encoding == "deflate":
+            try:
+                return zlib.decompress(body)
+            except zlib.error:
+                return zlib.decompress(body, -zlib.MAX_WBITS)  # raw deflate, as some servers send it
+    except zlib.error:
+        return None
+    return None
+
+
+def rewrite_location(value, upstream_origins, proxy_origin):
+    """A redirect to the upstream's own absolute URL stays on the proxy."""
+    for origin in upstream_origins:
+        if value == origin or value.startswith(origin + "/") or value.startswith(origin + "?"):
+            return proxy_origin + value[len(origin):]
+    return value
+
+
+def proxy_timeout():
+    return env_number("PINBOX_PROXY_TIMEOUT_MS", 60000) / 1000.0
+
+
+class ProxyServer(HubServer):
+    """A HubServer for one upstream: `upstream` is (scheme, host, port)."""
+
+    def __init__(self, address, handler, hub, activity, upstream):
+        self.upstream = upstream
+        scheme, host, port = upstream
+        self.upstream_origin = origin_of(scheme, host, port)
+        # The same app named another way (localhost for 127.0.0.1) redirects to itself too.
+        aliases = {host} | ({"localhost", "127.0.0.1"} if host in ("localhost", "127.0.0.1") else set())
+        self.upstream_origins = sorted({origin_of(scheme, name, port) for name in aliases}, key=len, reverse=True)
+        super().__init__(address, handler, hub, activity)
+
+
+class ProxyHandler:
+    """One request to the page proxy, passed to the upstream and its answer back."""
+    protocol_version = "HTTP/1.1"
+    timeout = 60  # a browser's idle kept-alive connection is let go
+    disable_nagle_algorithm = True
+
+    def log_message(self, *args):
+        pass  # an app's URLs are its own business
+
+    def do_GET(self):
+        self.relay()
+
+    do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_GET
+
+    def send_error(self, code, message=None, explain=None):
+        super().send_error({501: 405, 505: 400}.get(code, code), message, explain)
+
+    def refuse(self, status, message):
+        body = ("pinbox: %s\n" % message).encode("utf-8")
+        self.send_response_only(status)
+        for name, value in (("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body))),
+                            ("Cache-Control", "no-store"), ("Connection", "close")):
+            self.send_header(name, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+        self.close_connection = True
+
+    def relay(self):
+        self.server.activity.touch()
+        # Never an open proxy: only origin-form targets, for a name of this machine.
+        if not self.path.startswith("/"):
+            return self.refuse(400, "this proxy forwards only to %s, and only paths" % self.server.upstream_origin)
+        if any(len(self.headers.get_all(name) or ()) > 1 for name in ("Host", "Origin")):
+            return self.refuse(400, "repeated Host or Origin header")
+        if not host_is_loopback(self.headers.get("Host")):
+            return self.refuse(403, "Host must name the loopback")
+        origin = self.headers.get("Origin")
+        if origin is not None and not host_is_loopback(origin):
+            return self.refuse(403, "a page of another site may not use this app through pinbox")
+        length = self.headers.get("Content-Length")
+        if length is not None and not length.strip().isdigit():
+            return self.refuse(400, "Content-Length is not one plain number")
+        if self.headers.get("Upgrade"):
+            return self.tunnel()
+        try:
+            answer, conn = self.forward()
+        except OSError as exc:
+            return self.upstream_down(exc)
+        try:
+            self.answer(answer)
+        finally:
+            conn.close()
+
+    def proxy_origin(self):
+        return "http://" + self.headers.get("Host")
+
+    def upstream_headers(self):
+        """The request's headers as the upstream sees them: its own Host, this page's
+        Origin and Referer turned into its own, the rest as the browser sent it."""
+        proxy = self.proxy_origin()
+        listed = {t.strip().lower() for t in (self.headers.get("Connection") or "").split(",")}
+        headers = []
+        for name, value in self.headers.items():
+            lower = name.lower()
+            if lower in HOP_HEADERS or lower in listed or lower in ("accept-encoding", "expect"):
+                continue
+            if lower == "host":
+                value = self.server.upstream_origin.split("://", 1)[1]
+            elif lower in ("origin", "referer") and (value == proxy or value.startswith(proxy + "/")):
+                value = self.server.upstream_origin + value[len(proxy):]
+            headers.append((name, value))
+        return headers
+
+    def connect(self):
+        import http.client
+        scheme, host, port = self.server.upstream
+        if scheme == "https":
+            import ssl
+            return http.client.HTTPSConnection(host, port, timeout=proxy_timeout(), context=ssl.create_default_context())
+        return http.client.HTTPConnection(host, port, timeout=proxy_timeout())
+
+    def forward(self):
+        """Sends the request on (its body streamed as it arrives); (response, connection)."""
+        conn = self.connect()
+        conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+        for name, value in self.upstream_headers():
+            conn.putheader(name, value)
+        # Pages are asked for as they are, so the tag can go in; this machine's loopback
+        # has no use for compression.
+        conn.putheader("Accept-Encoding", "identity")
+        chunked = "chunked" in (self.headers.get("Transfer-Encoding") or "").lower()
+        length = int(self.headers.get("Content-Length") or 0) if not chunked else 0
+        if chunked:
+            conn.putheader("Transfer-Encoding", "chunked")
+        conn.endheaders()
+        while length > 0:
+            data = self.rfile.read(min(length, 65536))
+            if not data:
+                break
+            conn.send(data)
+            length -= len(data)
+        if chunked:
+            self.relay_chunked_body(conn)
+        return conn.getresponse(), conn
+
+    def relay_chunked_body(self, conn):
+        while True:
+            size_line = self.rfile.readline(1024)
+            conn.send(size_line)
+            size = int(size_line.split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                while True:  # trailers, up to the blank line
+                    line = self.rfile.readline(8192)
+                    conn.send(line)
+                    if line in (b"\r\n", b"\n", b""):
+                        return
+            conn.send(self.rfile.read(size + 2))
+
+    def answer(self, answer):
+        """The upstream's answer: an HTML page with the toolbar in it, anything else
+        streamed through as it arrives."""
+        kind = (answer.getheader("Content-Type") or "").split(";")[0].strip().lower()
+        bodiless = self.command == "HEAD" or answer.status in (204, 304) or 100 <= answer.status < 200
+        headers = [(n, v) for n, v in answer.getheaders() if n.lower() not in HOP_HEADERS]
+        if answer.status in (301, 302, 303, 307, 308):
+            headers = [(n, rewrite_location(v, self.server.upstream_origins, self.proxy_origin())
+                        if n.lower() == "location" else v) for n, v in headers]
+        if kind in HTML_TYPES and not bodiless:
+            body = answer.read()
+            page = decoded_body(body, answer.getheader("Content-Encoding"))
+            if page is not None:
+                return self.send_page(answer, headers, page)
+            return self.send_whole(answer, headers, body)
+        self.send_response_only(answer.status, answer.reason)
+        for name, value in headers:
+            self.send_header(name, value)
+        # A body of unknown length goes on in chunks (an HTTP/1.0 client: until the close).
+        chunked = not bodiless and answer.getheader("Content-Length") is None and self.request_version == "HTTP/1.1"
+        if chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        elif not bodiless and answer.getheader("Content-Length") is None:
+            self.close_connection = True
+        self.end_headers()
+        if not bodiless:
+            self.copy_body(answer, chunked)
+
+    def copy_body(self, answer, chunked):
+        """Each piece as soon as the upstream sends it (Server-Sent Events, long polls)."""
+        import http.client
+        try:
+            while True:
+                data = answer.read1(65536)
+                if not data:
+                    break
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+                self.wfile.flush()
+        except (OSError, http.client.HTTPException):
+            self.close_connection = True  # the upstream went away mid-body: so does this answer
+            return
+        if chunked:
+            self.wfile.write(b"0\r\n\r\n")
+        elif answer.length:  # fewer bytes than it announced
+            self.close_connection = True
+
+    def send_page(self, answer, headers, page):
+        hub, csp_nonce, kept = self.server.hub, None, []
+        hub_origin = "http://127.0.0.1:%d" % hub.port
+        for name, value in headers:
+            lower = name.lower()
+            if lower in ("content-length", "content-encoding"):
+                continue
+            if lower in ("content-security-policy", "content-security-policy-report-only"):
+                value, nonce = amend_csp(value, hub_origin)
+                csp_nonce = csp_nonce or nonce
+            kept.append((name, value))
+        page = inject_toolbar(page, hub_origin, hub.token, csp_nonce)
+        self.send_whole(answer, kept + [("Content-Length", str(len(page)))], page)
+
+    def send_whole(self, answer, headers, body):
+        self.send_response_only(answer.status, answer.reason)
+        for name, value in headers:
+            self.send_header(name, value)
+        if not any(n.lower() == "content-length" for n, _ in headers):
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def upstream_down(self, exc):
+        """A small page that says so and tries again (dev servers restart all the time);
+        a 504 when the upstream took the request and never answered."""
+        import socket
+        where = self.server.upstream_origin
+        status = 504 if isinstance(exc, socket.timeout) else 502
+        text = ("%s did not answer within %d s" % (where, proxy_timeout()) if status == 504
+                else "%s is not answering (%s)" % (where, exc.strerror or type(exc).__name__))
+        html = "html" in (self.headers.get("Accept") or "")
+        from html import escape
+        body = (DOWN_PAGE % {"text": escape(text)} if html else "pinbox: %s\n" % text).encode("utf-8")
+        self.send_response_only(status)
+        for name, value in (("Content-Type", "text/html; charset=utf-8" if html else "text/plain; charset=utf-8"),
+                            ("Content-Length", str(len(body))), ("Cache-Control", "no-store"), ("Retry-After", "1")):
+            self.send_header(name, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def tunnel(self):
+        """An Upgrade (a WebSocket for hot reload): the request goes on with the upstream's
+        Host, and from then on bytes flow both ways untouched until either side closes."""
+        import socket
+        import threading
+        scheme, host, port = self.server.upstream
+        try:
+            upstream = socket.create_connection((host, port), timeout=proxy_timeout())
+            if scheme == "https":
+                import ssl
+                upstream = ssl.create_default_context().wrap_socket(upstream, server_hostname=host)
+        except OSError as exc:
+            return self.upstream_down(exc)
+        head = ["%s %s %s" % (self.command, self.path, self.request_version)]
+        for name, value in self.upstream_headers() + [(n, v) for n, v in self.headers.items()
+                                                       if n.lower() in ("connection", "upgrade")]:
+            head.append("%s: %s" % (name, value))
+        self.close_connection = True
+        self.connection.settimeout(None)
+        upstream.settimeout(None)
+        hub = self.server.hub
+        hub.count("streams", 1)  # an open socket keeps the hub alive, as a page's stream does
+        try:
+            upstream.sendall(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
+            back = threading.Thread(target=pipe_bytes, args=(upstream.recv, self.connection), daemon=True)
+            back.start()
+            pipe_bytes(self.rfile.read1, upstream)
+            back.join(5.0)  # the upstream had its chance to finish; closing it ends the thread
+        except OSError:
+            pass
+        finally:
+            hub.count("streams", -1)
+            upstream.close()
+
+
+def pipe_bytes(read, sock):
+    """Copies what `read` returns into `sock` until the source ends, then ends `sock`'s
+    sending side (the other direction may still be talking)."""
+    import socket
+    try:
+        while True:
+            data = read(65536)
+            if not data:
+                break
+            sock.sendall(data)
+    except OSError:
+        pass
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+
+
+def start_proxy(hub, activity, upstream):
+    """A page proxy for `upstream` on a free port of 127.0.0.1, served by a thread of the hub."""
+    import http.server
+    import threading
+    server_class = type("PageProxy", (ProxyServer, http.server.ThreadingHTTPServer), {})
+    handler_class = type("ProxyRequest", (ProxyHandler, http.server.BaseHTTPRequestHandler), {})
+    server = server_class(("127.0.0.1", 0), handler_class, hub, activity, upstream)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
+    return server
+
+
+# ============================================================================
 # Hub: finding and starting hubs
 # ============================================================================
+
+HUB_START_S = 3.0  # how long a command waits for the hub it started to listen
+
 
 def hub_files(root):
     """(state dir, hub.json, token file, last port file, lock file, server.json)."""
@@ -3348,13 +3798,14 @@ def wait_for_hub(root, timeout):
     return other
 
 
-def ensure_hub(root, quick=False):
+def ensure_hub(root, quick=False, wait=0.0):
     """Starts the project's hub in the background when none runs (so the page toolbar
-    and push delivery work whenever someone works here), without waiting for it. Its
-    own session, stdin from /dev/null, output to .pinbox/hub.log: never the caller's
-    pipes, which an agent waits on. `quick` (the agent hooks, on every prompt) trusts
-    .pinbox/server.json, which exists while a hub runs, and skips the full check (6 ms:
-    hashing the project path and reading the state file)."""
+    and push delivery work whenever someone works here), in a project with a store or a
+    git repository (the hub makes the store). Its own session, stdin from /dev/null,
+    output to .pinbox/hub.log: never the caller's pipes, which an agent waits on. Waits
+    up to `wait` seconds for it to listen. `quick` (the agent hooks, on every prompt,
+    which never wait) trusts .pinbox/server.json, which exists while a hub runs, and
+    skips the full check (6 ms: hashing the project path and reading the state file)."""
     if os.environ.get("PINBOX_NO_SPAWN"):
         return None
     directory = store_dir(root)
@@ -3362,7 +3813,7 @@ def ensure_hub(root, quick=False):
         return None
     if running_hub(root):
         return None
-    if not os.path.exists(os.path.join(directory, "pinbox.db")):
+    if not os.path.exists(os.path.join(directory, "pinbox.db")) and not os.path.exists(os.path.join(root, ".git")):
         return None
     command = [sys.executable or "python3", "-I", "-S", self_path(), "serve", "--project", root]
     if not os.path.isfile(self_path()):
@@ -3371,6 +3822,7 @@ def ensure_hub(root, quick=False):
     if pid == 0:  # the child becomes the hub
         try:
             os.setsid()
+            os.makedirs(directory, exist_ok=True)  # a git repository's first hub makes .pinbox/
             null = os.open(os.devnull, os.O_RDONLY)
             flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW  # novermin (flags, not a type union)
             log = os.open(os.path.join(directory, "hub.log"), flags, 0o600)
@@ -3381,16 +3833,36 @@ def ensure_hub(root, quick=False):
             os.execv(command[0], command)
         finally:
             os._exit(127)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and hub_listening(root) is None:
+        time.sleep(0.02)
     return pid
 
 
-def start_hub_quietly(root, quick=False):
+def start_hub_quietly(root, quick=False, wait=0.0):
     """ensure_hub for a command that already did its job: a hub that cannot start is
     one line on stderr, never a failed command."""
     try:
-        ensure_hub(root, quick)
-    except Exception as exc:
+        ensure_hub(root, quick, wait)
+    except Exception as exc:  # noqa: BLE001 — the command's own work is done
         write_err("pinbox: could not start the hub: %s\n" % exc)
+
+
+def hub_listening(root):
+    """hub.json of the project's hub once it listens (it writes server.json last), or None."""
+    data = running_hub(root)
+    return data if data and os.path.exists(os.path.join(store_dir(root), "server.json")) else None
+
+
+def hub_for(root):
+    """hub.json of the project's hub, started (and waited for) when none runs."""
+    ensure_hub(root, wait=HUB_START_S)
+    data = hub_listening(root)
+    if data is None:
+        raise PinboxError("E_HUB_UNREACHABLE", "no hub runs for %s" % root,
+                          "start one with `pinbox serve` (PINBOX_NO_SPAWN=1 keeps pinbox from starting it)"
+                          if os.environ.get("PINBOX_NO_SPAWN") else "see .pinbox/hub.log for why it did not start")
+    return data
 
 
 # ============================================================================
@@ -3469,10 +3941,10 @@ def write_env_file(session):
 # compiles it on every call, which would cost every prompt and every commit ~80 ms. The
 # folder is appended to sys.path, so nothing beside pinbox.py can shadow the stdlib.
 # A pinbox that was moved or deleted makes the hook a silent no-op, never a traceback.
-_BOOT_IMPORT = "import sys,os;os.path.exists(%s) or sys.exit(0);sys.path.append(%s);__import__(%s).main()"
+_BOOT_IMPORT = "import sys,os;os.path.exists(%s) or %s;sys.path.append(%s);__import__(%s).main()"
 # A copy without the .py suffix (pinbox on PATH) is loaded by path, by its loader alone:
 # importlib.util (module_from_spec) would import contextlib and functools, ~6 ms a hook.
-_BOOT_LOADER = ("import sys,os;os.path.exists(%s) or sys.exit(0);from importlib.machinery import SourceFileLoader as L;"
+_BOOT_LOADER = ("import sys,os;os.path.exists(%s) or %s;from importlib.machinery import SourceFileLoader as L;"
                 'l=L("pinbox",%s);m=type(sys)("pinbox");m.__file__=l.path;sys.modules["pinbox"]=m;l.exec_module(m);'
                 "m.main()")
 
@@ -3481,9 +3953,10 @@ def self_path():
     return os.path.abspath(__file__)
 
 
-def hook_command(args):
+def hook_command(args, gone="sys.exit(0)"):
     """A shell command running this copy of pinbox with `args`, as fast as Python can:
-    an absolute interpreter (no pyenv shim), no site-packages (-S), isolated (-I)."""
+    an absolute interpreter (no pyenv shim), no site-packages (-S), isolated (-I). `gone`
+    runs instead when the copy is no longer there (a hook: nothing, quietly)."""
     import json
     import shlex
     python = sys.executable or "python3"
@@ -3500,9 +3973,9 @@ def hook_command(args):
         command += ["-X", "pycache_prefix=" + cache]
     folder, name = os.path.split(path)
     if name.endswith(".py"):
-        boot = _BOOT_IMPORT % (json.dumps(path), json.dumps(folder), json.dumps(name[:-3]))
+        boot = _BOOT_IMPORT % (json.dumps(path), gone, json.dumps(folder), json.dumps(name[:-3]))
     else:
-        boot = _BOOT_LOADER % (json.dumps(path), json.dumps(path))
+        boot = _BOOT_LOADER % (json.dumps(path), gone, json.dumps(path))
     return shlex.join(command + ["-c", boot] + list(args))
 
 
@@ -3903,6 +4376,37 @@ def detected_agents(root):
     return found
 
 
+LAUNCHER_MARK = "# pinbox launcher (pinbox install)"
+
+
+def launcher_text():
+    """The `pinbox` that `install` puts on PATH: a few lines of sh running this copy from
+    its cached bytecode, as the hooks do (a large script run directly is compiled every
+    time: ~100 ms a command)."""
+    import json
+    gone = "sys.exit(%s)" % json.dumps("pinbox: %s is gone; run `python3 <where it is now> install` again"
+                                       % self_path())
+    return "#!/bin/sh\n%s: runs %s\nexec %s \"$@\"\n" % (LAUNCHER_MARK, self_path(), hook_command([], gone))
+
+
+def plan_launcher(path, uninstall=False):
+    """Writing (or removing) the launcher at `path`, as a Plan; a file there that is not
+    a pinbox launcher is left alone."""
+    try:
+        with open(path, "rb") as handle:
+            old = handle.read().decode("utf-8", "replace")
+    except FileNotFoundError:
+        old = None
+    ours = old is not None and LAUNCHER_MARK in old
+    if uninstall:
+        return Plan("launcher", path, "removed", "", remove_empty=True) if ours else Plan("launcher", path, "absent")
+    if old is not None and not ours:
+        return Plan("launcher", path, "kept", notes=["%s is not a pinbox launcher; left as it is (pass --dir to "
+                                                     "install somewhere else)" % path])
+    new = launcher_text()
+    return Plan("launcher", path, outcome_for(old, new), None if new == old else new, mode=0o755)
+
+
 def plan_gitignore(root):
     """The `.pinbox/` line in the project's .gitignore, as a Plan. A .gitignore that is
     a symlink is left alone: it may point outside the repo (a cloned repo can ship one)."""
@@ -4184,6 +4688,25 @@ def session_table(ctx, sessions, last_column):
     ctx.out.result(sessions, pad_columns(rows) or None, "%d session(s)" % len(sessions))
 
 
+def call_hub(hub, method, path, body=None):
+    """The data of one authorized request to the project's hub."""
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", hub["port"], timeout=10)
+    try:
+        conn.request(method, path, body=dumps_compact(body).encode("utf-8") if body is not None else None,
+                     headers={"Authorization": "Bearer " + hub["token"], "Content-Type": "application/json"})
+        answer = conn.getresponse()
+        envelope = json_loads(answer.read().decode("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise PinboxError("E_HUB_UNREACHABLE", "the hub at 127.0.0.1:%d did not answer: %s" % (hub["port"], exc))
+    finally:
+        conn.close()
+    if not envelope.get("ok"):
+        error = envelope.get("error") or {}
+        raise PinboxError(error.get("code", "E_INTERNAL"), error.get("message", "the hub refused"), error.get("hint"))
+    return envelope["data"]
+
+
 def parse_agents(raw):
     if raw is None:
         return None
@@ -4246,6 +4769,66 @@ def cmd_init(ctx):
                       for label, detail in lines)
     ctx.out.result(report, facts, "\n".join(notes) or None)
     return 1 if any(plan.outcome == "failed" for plan in plans) else 0
+
+
+def open_browser(url):
+    """Opens `url` in the person's browser when there is a screen to show it on: with none,
+    Python's webbrowser would start a text browser in this terminal."""
+    graphical = sys.platform == "darwin" or any(os.environ.get(n) for n in ("DISPLAY", "WAYLAND_DISPLAY", "BROWSER"))
+    if not graphical:
+        return False
+    import webbrowser
+    try:
+        return bool(webbrowser.open(url))
+    except Exception:  # noqa: BLE001 — no browser is no failure: the address is printed
+        return False
+
+
+def cmd_open(ctx):
+    args = ctx.args
+    ctx.store  # the project's store (a pin needs one): made here, as `pin` makes it
+    hub = hub_for(ctx.root)
+    if args.url:
+        url = call_hub(hub, "POST", "/proxies", {"upstream": args.url})["url"]
+        facts = "%s with the pinbox toolbar: %s" % (args.url, url)
+    else:
+        url = "http://127.0.0.1:%d/demo#token=%s" % (hub["port"], hub["token"])
+        facts = "the pinbox demo page: %s" % url
+    opened = False if args.no_browser else open_browser(url)
+    note = None if opened or args.no_browser else "open it in your browser (no graphical browser was found here)"
+    ctx.out.result({"url": url, "upstream": args.url, "hub": "http://127.0.0.1:%d" % hub["port"],
+                    "browser": opened}, facts, note)
+
+
+def toolbar_ways(port, token):
+    """The ways to put the toolbar on a page: a tag, a bookmarklet for the page already
+    open, and a snippet for a bundler's dev-only entry."""
+    src = "http://127.0.0.1:%d/toolbar.js" % port
+    tag = '<script src="%s" data-token="%s"></script>' % (src, token)
+    loader = ("var s=document.createElement('script');s.src='%s';s.setAttribute('data-token','%s');"
+              "document.body.appendChild(s);" % (src, token))
+    snippet = ("if (import.meta.env.DEV) {  // Vite; webpack: if (process.env.NODE_ENV !== 'production')\n"
+               "  const s = document.createElement('script');\n  s.src = '%s';\n"
+               "  s.setAttribute('data-token', '%s');\n  document.head.appendChild(s);\n}" % (src, token))
+    return {"tag": tag, "bookmarklet": "javascript:(function(){%s})()" % loader, "snippet": snippet,
+            "overview": "http://127.0.0.1:%d/#token=%s" % (port, token), "hub": "http://127.0.0.1:%d" % port}
+
+
+def toolbar_help(port, token):
+    ways = toolbar_ways(port, token)
+    return ("Add the toolbar to a page:\n  %s\nSee pins, sessions and deliveries: %s\n"
+            % (ways["tag"], ways["overview"]))
+
+
+def cmd_toolbar(ctx):
+    hub = hub_for(ctx.root)
+    ways = toolbar_ways(hub["port"], hub["token"])
+    facts = ("Tag (paste into your page's HTML):\n  %s\n\nBookmarklet (save as a bookmark's URL; click it on a "
+             "page of your app):\n  %s\n\nDev-only snippet (your app's entry module):\n%s\n\n"
+             "See pins, sessions and deliveries: %s" % (ways["tag"], ways["bookmarklet"],
+                                                        "\n".join("  " + line for line in ways["snippet"].split("\n")),
+                                                        ways["overview"]))
+    ctx.out.result(ways, facts)
 
 
 def cmd_pin(ctx):
@@ -4489,22 +5072,36 @@ def cmd_doctor(ctx):
     return 1 if failing else 0
 
 
+def cmd_install(ctx):
+    args = ctx.args
+    folder = os.path.abspath(os.path.expanduser(args.dir or os.path.join("~", ".local", "bin")))
+    plan = plan_launcher(os.path.join(folder, "pinbox"), uninstall=args.uninstall)
+    plan.apply()
+    on_path = folder in [os.path.abspath(p) for p in os.environ.get("PATH", "").split(os.pathsep) if p]
+    notes = list(plan.notes)
+    if not (on_path or args.uninstall or plan.outcome == "kept"):
+        notes.append("%s is not on your PATH: add `export PATH=\"%s:$PATH\"` to your shell's profile" % (folder, folder))
+    ctx.out.result({"path": plan.path, "outcome": plan.outcome, "onPath": on_path, "notes": notes},
+                   "%s %s" % (plan.outcome, plan.path), "\n".join(notes) or None)
+    return 1 if plan.outcome == "kept" else 0
+
+
 def cmd_serve(ctx):
     args = ctx.args
     root = os.path.abspath(args.project) if args.project else ctx.root
     terminal = sys.stdout.isatty()
 
     def ready(port, token):
-        url = "http://127.0.0.1:%d" % port
-        write_err("pinbox hub for %s listening at %s (pid %d)\n" % (root, url, os.getpid()))
+        write_err("pinbox hub for %s listening at http://127.0.0.1:%d (pid %d)\n" % (root, port, os.getpid()))
         if terminal:  # the token goes to a person's terminal, never to a log file
-            write_out("Add the toolbar to a page:\n  <script src=\"%s/toolbar.js\" data-token=\"%s\"></script>\n"
-                      "See pins, sessions and deliveries: %s/#token=%s\n" % (url, token, url, token))
+            write_out(toolbar_help(port, token))
 
     outcome, other = run_hub(root, args.port, ephemeral_inbox=args.inbox_ephemeral, ready=ready)
     if outcome == "already":
         where = "http://127.0.0.1:%d (pid %d)" % (other["port"], other["pid"]) if other else "(starting up)"
         write_err("pinbox: a hub already runs for %s at %s\n" % (root, where))
+        if other and terminal:
+            write_out(toolbar_help(other["port"], other["token"]))
     return 0
 
 
@@ -4683,8 +5280,8 @@ HOOK_VERBS = {"register": cmd_session_register, "inject": cmd_session_inject, "p
               "end": cmd_session_end, "trailer": cmd_session_trailer}
 
 # One order for the verbs: this table, the parser, the help and the cmd_* functions.
-VERBS = ("init", "pin", "summary", "list", "show", "reply", "resolve", "reopen", "export",
-         "doctor", "serve", "session", "agent")
+VERBS = ("init", "open", "toolbar", "pin", "summary", "list", "show", "reply", "resolve", "reopen", "export",
+         "doctor", "install", "serve", "session", "agent")
 HIDDEN_VERBS = ("serve", "session", "agent")
 
 TOP_HELP = """Usage: pinbox [options] <command> [args]
@@ -4737,6 +5334,14 @@ def build_parser():
     p.add_argument("--uninstall", action="store_true", help="take pinbox's hooks out again (the store stays)")
     p.set_defaults(run=cmd_init)
 
+    p = verb("open", "open your app (or a demo page) with the pinbox toolbar on every page", "[url]")
+    p.add_argument("url", nargs="?", help="the app, e.g. http://localhost:5173 or :3000 (none: the demo page)")
+    p.add_argument("--no-browser", action="store_true", help="print the address, open no browser")
+    p.set_defaults(run=cmd_open)
+
+    verb("toolbar", "the tag, bookmarklet and dev snippet that put the toolbar on a page").set_defaults(
+        run=cmd_toolbar)
+
     p = verb("pin", "create a pin from the terminal", "[options] <text>")
     p.add_argument("text", help="what is wrong (quote it; - reads it from stdin)")
     p.add_argument("--file", metavar="path[:line]", help="anchor the pin to a source file")
@@ -4779,6 +5384,11 @@ def build_parser():
     p.set_defaults(run=cmd_export)
 
     verb("doctor", "find out why a pin did not reach an agent").set_defaults(run=cmd_doctor)
+
+    p = verb("install", "put a fast `pinbox` command on your PATH (~/.local/bin)", "[options]")
+    p.add_argument("--dir", metavar="dir", help="where to put it (default ~/.local/bin)")
+    p.add_argument("--uninstall", action="store_true", help="remove it again")
+    p.set_defaults(run=cmd_install)
 
     p = verb("serve", "run the hub in the foreground (HTTP API, page toolbar, live updates)")
     p.add_argument("--project", metavar="dir", help="project to serve (default: this one)")
@@ -4923,10 +5533,10 @@ def run(argv=None, cwd=None):
             return 0
         ctx = Context(args, out, cwd)
         code = args.run(ctx) or 0
-        # Every command in a project starts its hub, but the hub itself and the commit hook.
-        if (args.verb != "serve" and getattr(args, "session_verb", None) != "trailer"
-                and ctx._store is not None and ctx._store.exists):
-            start_hub_quietly(ctx.root)
+        # Every command in a project starts its hub, and returns once it listens; but the
+        # hub itself, `install`, `doctor` (it only looks) and the commit hook.
+        if args.verb not in ("serve", "install", "doctor") and getattr(args, "session_verb", None) != "trailer":
+            start_hub_quietly(ctx.root, wait=HUB_START_S)
         return code
     except Exception as exc:
         err = as_pinbox_error(exc, ctx)
@@ -5884,6 +6494,64 @@ async function load() {
 }
 load(); setInterval(load, 5000);
 </script>
+"""
+
+
+DEMO_HTML = r"""<!doctype html>
+<meta charset="utf-8"><meta name="viewport" content="width=device-width">
+<title>pinbox demo shop</title>
+<style>
+body{font:16px/1.5 system-ui,sans-serif;margin:0;color:#1f2430;background:#f6f7f9}
+header{background:#283046;color:#fff;padding:14px 32px;display:flex;justify-content:space-between;align-items:center}
+header nav a{color:#cfd6ff;margin-left:18px;text-decoration:none}
+main{max-width:820px;margin:28px auto;padding:0 24px}
+.intro{background:#fff8d6;border:1px solid #ecd98b;padding:12px 16px;border-radius:6px}
+.cards{display:flex;gap:20px;margin-top:24px}
+.card{background:#fff;border:1px solid #dde1ea;border-radius:8px;padding:16px;flex:1}
+.card .price{font-size:22px;font-weight:600}
+.card button{background:#3b5bdb;color:#fff;border:0;border-radius:5px;padding:8px 18px;font-size:15px}
+.total{margin-top:24px;background:#fff;border:1px solid #dde1ea;border-radius:8px;padding:16px;white-space:nowrap;
+overflow:hidden;width:300px}
+code{background:#eef0f5;padding:1px 5px;border-radius:4px}
+</style>
+<header><strong>Demo Shop</strong><nav><a href="#">Products</a><a href="#">Cart (2)</a></nav></header>
+<main>
+<p class="intro">This page is served by your pinbox hub. Press <b>P</b> (or the pin button, bottom right),
+click anything that looks wrong, say what is wrong, and press Ctrl+Enter. Then run <code>pinbox list</code>:
+the pin is there, and the next prompt of an agent wired with <code>pinbox init --agent …</code> shows it.</p>
+<div class="cards">
+<div class="card" id="lamp"><svg width="120" height="80" viewBox="0 0 120 80" role="img" aria-label="Lamp">
+<rect width="120" height="80" fill="#e7ecff"/><circle cx="60" cy="34" r="20" fill="#ffd43b"/>
+<rect x="56" y="52" width="8" height="20" fill="#495057"/></svg>
+<h2>Desk lamp</h2><p class="price">EUR 39.00</p><button id="add-lamp">Add to cart</button></div>
+<div class="card" id="chair"><svg width="120" height="80" viewBox="0 0 120 80" role="img" aria-label="Chair">
+<rect width="120" height="80" fill="#e6fcf5"/><rect x="40" y="20" width="40" height="30" fill="#0ca678"/>
+<rect x="40" y="50" width="6" height="24" fill="#495057"/><rect x="74" y="50" width="6" height="24" fill="#495057"/></svg>
+<h2>Chair</h2><p class="price">EUR 129.0</p><button id="add-chair">Add to cart</button></div>
+</div>
+<div class="total" id="total">Total with shipping and handling: EUR 168.00 (free delivery over EUR 100)</div>
+</main>
+<script>
+(function () {
+  // The token rides in this page's fragment, which no request carries: the page itself
+  // holds no secret. It leaves the address at once (a pin records the page's address),
+  // and this tab keeps it for a reload.
+  var token = new URLSearchParams(location.hash.slice(1)).get("token") || sessionStorage.getItem("pinboxToken") || "";
+  sessionStorage.setItem("pinboxToken", token);
+  history.replaceState(null, "", location.pathname + location.search);
+  var tag = document.createElement("script");
+  tag.src = "/toolbar.js";
+  tag.setAttribute("data-token", token);
+  document.body.appendChild(tag);
+})();
+</script>
+"""
+
+DOWN_PAGE = """<!doctype html>
+<meta charset="utf-8"><title>waiting for the app</title><meta http-equiv="refresh" content="1">
+<body style="font:15px system-ui,sans-serif;margin:3em;color:#1f2430">
+<h1 style="font-size:1.2em">pinbox: %(text)s</h1>
+<p>This page tries again every second: start the app (or wait for it to restart) and it loads by itself.</p>
 """
 
 

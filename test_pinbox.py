@@ -792,6 +792,24 @@ def chromium_binary():
     return None
 
 
+def toolbar_element(selector):
+    return "document.getElementById('pinbox-toolbar-host').shadowRoot.querySelector(%s)" % json.dumps(selector)
+
+
+def drop_pin(browser, target, text):
+    """A person drops a pin: the toolbar's button, a click on the element, the comment,
+    Submit. Waits for its marker."""
+    browser.wait_for("!!document.getElementById('pinbox-toolbar-host') && !!(%s)" % toolbar_element(
+        '[data-pinbox="toggle"]'), 10)
+    browser.click_at(toolbar_element('[data-pinbox="toggle"]'))
+    browser.click_at(target)
+    browser.wait_for("!!(%s)" % toolbar_element('[data-pinbox="comment"]'))
+    browser.click_at(toolbar_element('[data-pinbox="comment"]'))
+    browser.type_text(text)
+    browser.click_at(toolbar_element('[data-pinbox="submit"]'))
+    browser.wait_for("!!(%s)" % toolbar_element('[data-pinbox="marker"]'))
+
+
 # ============================================================================
 # Constants and errors
 # ============================================================================
@@ -3621,7 +3639,8 @@ class TestSecurity(DeliveryCase):
         ids, bodies, sid = self.fixtures()
         handlers = {name for name in dir(pinbox) if name.startswith("r_") and callable(getattr(pinbox, name))}
         self.assertEqual(handlers - {name for _, _, name in hub_routes()}, set())  # every handler is routed
-        public = {("GET", "/health"), ("GET", "/toolbar.js"), ("GET", "/")}  # SPEC §8, not pinbox's own list
+        # SPEC §8, not pinbox's own list; and the demo page, which reads the token from its URL's fragment
+        public = {("GET", "/health"), ("GET", "/toolbar.js"), ("GET", "/"), ("GET", "/demo")}
         self.assertEqual(set(pinbox.PUBLIC_ROUTES), public)
         real = self.token
         same_length = real[:-1] + ("A" if real[-1] != "A" else "B")
@@ -4027,6 +4046,396 @@ class TestSecurity(DeliveryCase):
 
 
 # ============================================================================
+# Hub: the page proxy
+# ============================================================================
+
+def fake_app(test, pages):
+    """A dev server of the test's own on 127.0.0.1: `pages` maps a path to a function of
+    the request handler that answers it. Returns (port, the requests it saw)."""
+    seen = []
+
+    class App(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def answer(self):
+            length = int(self.headers.get("Content-Length") or 0)
+            self.body = self.rfile.read(length) if length else b""
+            seen.append((self.command, self.path, dict(self.headers), self.body))
+            handler = pages.get(self.path.split("?")[0])
+            if handler is None:
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            handler(self)
+
+        do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = answer
+
+        def log_message(self, *args):
+            pass
+
+    return serve_in_thread(test, App).server_address[1], seen
+
+
+def send_plain(handler, status, body, headers=()):
+    handler.send_response(status)
+    for name, value in headers:
+        handler.send_header(name, value)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    if handler.command != "HEAD":
+        handler.wfile.write(body)
+
+
+def send_chunks(handler, pieces, content_type="application/octet-stream", gate=None):
+    """A chunked answer; with `gate`, the last piece waits until the test has read the others."""
+    handler.send_response(200)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Transfer-Encoding", "chunked")
+    handler.end_headers()
+    for n, piece in enumerate(pieces):
+        if gate is not None and n == len(pieces) - 1:
+            gate.wait(10)
+        handler.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        handler.wfile.flush()
+    handler.wfile.write(b"0\r\n\r\n")
+
+
+CSP = "default-src 'self'; img-src 'self' data:; script-src 'self' 'nonce-r4nd0m'"
+META_CSP = "script-src 'self'; connect-src 'none'"
+APP_PAGE = ('<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="Content-Security-Policy" '
+            'content="%s"><title>App</title></head><body><h1 id="title">Hello</h1>'
+            '<script nonce="r4nd0m" src="/app.js"></script></body></html>' % META_CSP)
+
+
+def csp_sources(policy):
+    return {d.split()[0]: set(d.split()[1:]) for d in policy.split(";") if d.strip()}
+
+
+class TestPageProxy(HubCase):
+    """`pinbox open <url>`: an app's pages through the hub, with the toolbar in each."""
+    HUB_ENV = {"PINBOX_PROXY_TIMEOUT_MS": "1500"}
+
+    def open_app(self, port):
+        data = self.ok("open", "http://localhost:%d" % port, "--no-browser")
+        self.assertFalse(data["browser"])
+        self.proxy = int(data["url"].rsplit(":", 1)[1].strip("/"))
+        self.assertEqual(data["url"], "http://localhost:%d/" % self.proxy)
+        return self.proxy
+
+    def fetch(self, method, path, body=None, headers=None, port=None):
+        conn = http.client.HTTPConnection("127.0.0.1", port or self.proxy, timeout=20)
+        sent = dict({"Host": "localhost:%d" % (port or self.proxy)}, **(headers or {}))
+        conn.request(method, path, body=body, headers=sent)
+        answer = conn.getresponse()
+        data = answer.read()
+        conn.close()
+        return answer.status, {k.lower(): v for k, v in answer.getheaders()}, data
+
+    def test_pages_get_the_toolbar_and_everything_else_passes_through(self):
+        import gzip
+        asset = os.urandom(200000)
+        gate = threading.Event()
+        pages = {
+            "/": lambda h: send_plain(h, 200, gzip.compress(APP_PAGE.encode()), [
+                ("Content-Type", "text/html; charset=utf-8"), ("Content-Encoding", "gzip"),
+                ("Content-Security-Policy", CSP), ("Set-Cookie", "sid=abc; Path=/; HttpOnly")]),
+            "/app.js": lambda h: send_plain(h, 200, b"document.title = 'ran';", [("Content-Type", "text/javascript")]),
+            "/asset.bin": lambda h: send_plain(h, 200, asset, [("Content-Type", "application/octet-stream")]),
+            "/chunked": lambda h: send_chunks(h, [asset[:1000], asset[1000:5000], asset[5000:]]),
+            "/events": lambda h: send_chunks(h, [b"data: one\n\n", b"data: two\n\n"], "text/event-stream", gate),
+            "/go": lambda h: send_plain(h, 302, b"", [("Location", "http://localhost:%d/landed?x=1" % app)]),
+            "/elsewhere": lambda h: send_plain(h, 302, b"", [("Location", "https://example.com/")]),
+            "/echo": lambda h: send_plain(h, 201, json.dumps({"method": h.command, "path": h.path,
+                                                              "body": h.body.decode()}).encode(),
+                                          [("Content-Type", "application/json")]),
+        }
+        app, seen = fake_app(self, pages)
+        self.open_app(app)
+        status, headers, page = self.fetch("GET", "/", headers={"Accept-Encoding": "gzip, br"})
+        self.assertEqual(status, 200)
+        self.assertNotIn("content-encoding", headers)
+        self.assertEqual(int(headers["content-length"]), len(page))
+        tag = '<script src="http://127.0.0.1:%d/toolbar.js" data-token="%s" nonce="r4nd0m"></script>' % (
+            self.port, self.token)
+        self.assertTrue(page.decode().endswith(tag + "</body></html>"), page)
+        self.assertEqual(headers["set-cookie"], "sid=abc; Path=/; HttpOnly")
+        hub = "http://127.0.0.1:%d" % self.port
+        before, after = csp_sources(CSP), csp_sources(headers["content-security-policy"])
+        self.assertEqual(after["script-src"] - before["script-src"], {hub})
+        self.assertEqual(after["connect-src"], before["default-src"] | {hub})  # it stood for default-src
+        self.assertEqual({k: v for k, v in after.items() if k not in ("script-src", "connect-src")},
+                         {k: v for k, v in before.items() if k != "script-src"})  # nothing else loosened
+        meta = page.decode().split('content="')[1].split('"')[0]
+        self.assertEqual(csp_sources(meta), {"script-src": {"'self'", hub}, "connect-src": {hub}})
+        # What the upstream saw: its own Host, identity, the rest as sent.
+        self.assertEqual((seen[-1][2]["Host"], seen[-1][2]["Accept-Encoding"]), ("localhost:%d" % app, "identity"))
+        self.assertEqual(self.fetch("GET", "/asset.bin")[2], asset)
+        self.assertEqual(self.fetch("GET", "/chunked")[2], asset)
+        self.assertEqual(self.fetch("GET", "/go")[1]["location"], "http://localhost:%d/landed?x=1" % self.proxy)
+        self.assertEqual(self.fetch("GET", "/elsewhere")[1]["location"], "https://example.com/")
+        status, _, body = self.fetch("POST", "/echo?q=%C3%A9&a=1", b'{"n": 1}', {
+            "Content-Type": "application/json", "Cookie": "sid=abc", "Authorization": "Bearer app-own",
+            "Origin": "http://localhost:%d" % self.proxy})
+        self.assertEqual((status, json.loads(body)), (201, {"method": "POST", "path": "/echo?q=%C3%A9&a=1",
+                                                            "body": '{"n": 1}'}))
+        self.assertEqual((seen[-1][2]["Cookie"], seen[-1][2]["Authorization"], seen[-1][2]["Origin"]),
+                         ("sid=abc", "Bearer app-own", "http://localhost:%d" % app))
+        self.assertEqual(self.fetch("GET", "/nowhere")[0], 404)
+        # Server-Sent Events arrive one by one: the first before the upstream sends the second.
+        sock = socket.create_connection(("127.0.0.1", self.proxy), timeout=10)
+        sock.sendall(b"GET /events HTTP/1.1\r\nHost: localhost:%d\r\n\r\n" % self.proxy)
+        got = b""
+        while b"data: one" not in got:
+            got += sock.recv(65536)
+        self.assertNotIn(b"data: two", got)
+        gate.set()
+        while b"data: two" not in got:
+            got += sock.recv(65536)
+        sock.close()
+
+    def test_never_an_open_proxy_and_a_clear_word_when_the_app_fails(self):
+        def mid_body(h):
+            h.send_response(200)
+            h.send_header("Content-Length", "1000")
+            h.end_headers()
+            h.wfile.write(b"x" * 10)
+            h.wfile.flush()
+            h.close_connection = True
+
+        pages = {"/": lambda h: send_plain(h, 200, b"<p>app</p>", [("Content-Type", "text/html")]),
+                 "/hang": lambda h: time.sleep(4), "/cut": mid_body}
+        app, seen = fake_app(self, pages)
+        self.open_app(app)
+        count = len(seen)
+        for data in (b"GET http://evil.example/ HTTP/1.1\r\nHost: evil.example\r\n\r\n",
+                     b"GET http://localhost:%d/ HTTP/1.1\r\nHost: localhost:%d\r\n\r\n" % (app, self.proxy),
+                     b"CONNECT evil.example:443 HTTP/1.1\r\nHost: evil.example:443\r\n\r\n",
+                     b"GET / HTTP/1.1\r\nHost: evil.example\r\n\r\n",
+                     b"GET / HTTP/1.1\r\nHost: 127.0.0.1.evil.example\r\n\r\n",
+                     b"GET / HTTP/1.1\r\nHost: localhost\r\nHost: evil.example\r\n\r\n",
+                     b"GET / HTTP/1.1\r\nHost: localhost:%d\r\nOrigin: https://evil.example\r\n\r\n" % self.proxy,
+                     b"POST / HTTP/1.1\r\nHost: localhost:%d\r\nContent-Length: 1x\r\n\r\nx" % self.proxy):
+            with self.subTest(data=data[:60]):
+                statuses = wire_statuses(wire_exchange(self.proxy, data)[0])
+                self.assertIn(statuses[:1], ([400], [403], [405]), statuses)
+        self.assertEqual(len(seen), count)  # none of them reached the app, nor anywhere else
+        # A WebSocket upgrade the app refuses: its own answer comes back.
+        statuses = wire_statuses(wire_exchange(self.proxy, b"GET /nope HTTP/1.1\r\nHost: localhost:%d\r\n"
+                                               b"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: "
+                                               b"dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+                                               % self.proxy)[0])
+        self.assertEqual(statuses[:1], [404])
+        # An app that hangs: a gateway timeout that says so; one that stops mid-body: cut off too.
+        status, _, body = self.fetch("GET", "/hang")
+        self.assertEqual(status, 504)
+        self.assertIn(b"did not answer", body)
+        sock = socket.create_connection(("127.0.0.1", self.proxy), timeout=10)
+        sock.sendall(b"GET /cut HTTP/1.1\r\nHost: localhost:%d\r\n\r\n" % self.proxy)
+        got = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+        sock.close()
+        self.assertTrue(got.startswith(b"HTTP/1.1 200") and got.endswith(b"x" * 10), got[:200])
+        # An app that is down: a page that retries; back up on its port, it is served again.
+        down = closed_port()
+        data = self.ok("open", ":%d" % down, "--no-browser")
+        port = int(data["url"].rsplit(":", 1)[1].strip("/"))
+        status, headers, body = self.fetch("GET", "/", headers={"Accept": "text/html"}, port=port)
+        self.assertEqual((status, headers["content-type"]), (502, "text/html; charset=utf-8"))
+        self.assertIn(b'http-equiv="refresh"', body)
+
+        class Up(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                send_plain(self, 200, b"up again", [("Content-Type", "text/plain")])
+
+            def log_message(self, *args):
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", down), Up)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        self.addCleanup(server.server_close)
+        self.addCleanup(server.shutdown)
+        self.assertEqual(self.fetch("GET", "/", port=port)[2], b"up again")
+        err = self.proc_stderr_so_far()
+        self.assertNotIn(b"Traceback", err)
+        self.assertNotIn(self.token.encode(), err)
+
+    def test_an_upgrade_is_tunnelled_byte_for_byte(self):
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        self.addCleanup(listener.close)
+        heard = []
+
+        def upstream():
+            conn, _ = listener.accept()
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += conn.recv(4096)
+            heard.append(head)
+            conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
+            while True:
+                data = conn.recv(65536)
+                if not data:
+                    break
+                conn.sendall(data[::-1])  # what comes back is visibly the app's
+            conn.close()
+
+        threading.Thread(target=upstream, daemon=True).start()
+        self.open_app(listener.getsockname()[1])
+        sock = socket.create_connection(("127.0.0.1", self.proxy), timeout=10)
+        sock.sendall(b"GET /hmr?token=t1 HTTP/1.1\r\nHost: localhost:%d\r\nUpgrade: websocket\r\nConnection: Upgrade"
+                     b"\r\nOrigin: http://localhost:%d\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+                     % (self.proxy, self.proxy))
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            reply += sock.recv(4096)
+        self.assertTrue(reply.startswith(b"HTTP/1.1 101 "), reply)
+        payload = bytes(range(256)) * 40
+        sock.sendall(payload)
+        back = b""
+        while len(back) < len(payload):
+            back += sock.recv(65536)
+        self.assertEqual(back, payload[::-1])
+        sock.close()
+        head = heard[0].decode("latin-1")
+        self.assertTrue(head.startswith("GET /hmr?token=t1 HTTP/1.1\r\n"), head)
+        port = listener.getsockname()[1]
+        self.assertIn("Host: localhost:%d\r\n" % port, head)
+        self.assertIn("Origin: http://localhost:%d\r\n" % port, head)
+        self.assertIn("Upgrade: websocket\r\n", head)
+
+    def test_serve_on_a_terminal_prints_the_tag_while_a_hub_runs(self):
+        r = self.human("serve")
+        tag = '<script src="http://127.0.0.1:%d/toolbar.js" data-token="%s"></script>' % (self.port, self.token)
+        self.assertEqual(r.code, 0, r)
+        self.assertIn(tag, r.out)
+        self.assertIn("http://127.0.0.1:%d/#token=%s" % (self.port, self.token), r.out)
+        self.assertIn("a hub already runs", r.err)
+        self.assertNotIn(self.token, r.err)
+
+    def test_toolbar_gives_the_tag_a_bookmarklet_and_a_snippet(self):
+        data = self.ok("toolbar", "--json")
+        src = "http://127.0.0.1:%d/toolbar.js" % self.port
+        self.assertEqual(data["tag"], '<script src="%s" data-token="%s"></script>' % (src, self.token))
+        self.assertTrue(data["bookmarklet"].startswith("javascript:(function(){"), data["bookmarklet"])
+        self.assertIn(src, data["bookmarklet"])
+        self.assertIn("import.meta.env.DEV", data["snippet"])
+        self.assertIn(self.token, data["snippet"])
+        r = self.human("toolbar")
+        self.assertIn("Bookmarklet", r.out)
+        self.assertIn(data["bookmarklet"], r.out)
+        demo = self.ok("open", "--no-browser")
+        self.assertEqual(demo["url"], "http://127.0.0.1:%d/demo#token=%s" % (self.port, self.token))
+        status, page, _ = self.request("GET", "/demo", token=False)
+        self.assertEqual(status, 200)
+        self.assertNotIn(self.token.encode(), page)  # the token stays in the URL's fragment
+
+
+class TestPageProxyInChromium(HubCase):
+    """What a person sees: their app through `pinbox open`, in a real browser."""
+
+    def setUp(self):
+        binary = chromium_binary()
+        if binary is None:
+            self.skipTest("chromium not installed (Debian package chromium; .ci/run installs it)")
+        super().setUp()
+        self.browser = Chromium(binary, self.tmp)
+        self.addCleanup(self.browser.close)
+
+    def test_a_strict_app_gets_a_working_toolbar_through_the_proxy(self):
+        import gzip
+        page = ('<!doctype html><meta charset="utf-8"><title>App</title><body><h1 id="title">Checkout</h1>'
+                '<p id="out"></p><script nonce="n0nce" src="/app.js"></script></body>')
+        app_js = b"fetch('/api/total').then(r => r.json()).then(d => { document.getElementById('out').textContent = d.total; });"
+        pages = {"/": lambda h: send_plain(h, 200, gzip.compress(page.encode()), [
+                     ("Content-Type", "text/html"), ("Content-Encoding", "gzip"),
+                     ("Content-Security-Policy", "default-src 'self'; script-src 'nonce-n0nce' 'strict-dynamic'")]),
+                 "/app.js": lambda h: send_plain(h, 200, app_js, [("Content-Type", "text/javascript")]),
+                 "/api/total": lambda h: send_plain(h, 200, b'{"total": "EUR 42"}', [("Content-Type", "application/json")])}
+        app, seen = fake_app(self, pages)
+        url = self.ok("open", "http://localhost:%d" % app, "--no-browser")["url"]
+        b = self.browser
+        b.open(url)
+        b.wait_for("document.getElementById('out').textContent === 'EUR 42'")  # the app's own fetch, through
+        drop_pin(b, "document.getElementById('title')", "The total is not bold")
+        [pin] = self.ok("list")
+        self.assertEqual((pin["text"], pin["target"]["url"], pin["target"]["selector"]),
+                         ("The total is not bold", url, "#title"))
+        self.assertTrue(all(request[2]["Host"] == "localhost:%d" % app for request in seen))
+
+    def test_a_vite_app_keeps_hot_reloading_through_the_proxy(self):
+        vite = os.environ.get("PINBOX_TEST_VITE") or shutil.which("vite")
+        if not vite:
+            self.skipTest("vite not installed (set PINBOX_TEST_VITE; .ci/run installs npm vite)")
+        app = os.path.join(self.tmp, "app")
+        os.makedirs(os.path.join(app, "public"))
+        files = {"index.html": '<!doctype html><meta charset="utf-8"><title>Vite app</title>'
+                               '<h1 id="msg">loading</h1><script type="module" src="/main.js"></script>',
+                 "main.js": "document.getElementById('msg').textContent = 'first version';\n"
+                            "if (import.meta.hot) import.meta.hot.accept();\n",
+                 "public/data.json": '{"served": "by vite"}'}
+        for name, text in files.items():
+            with open(os.path.join(app, name), "w") as handle:
+                handle.write(text)
+        port = closed_port()
+        log = open(os.path.join(self.tmp, "vite.log"), "wb")
+        self.addCleanup(log.close)
+        proc = subprocess.Popen([vite, "--host", "127.0.0.1", "--port", str(port), "--strictPort"], cwd=app,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.addCleanup(lambda: (os.killpg(proc.pid, signal.SIGKILL), proc.wait()))
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    self.fail("vite did not start: %s" % open(os.path.join(self.tmp, "vite.log")).read())
+                time.sleep(0.1)
+        url = self.ok("open", "http://127.0.0.1:%d" % port, "--no-browser")["url"]
+        b = self.browser
+        b.open(url)
+        b.wait_for("document.getElementById('msg').textContent === 'first version'", 15)
+        drop_pin(b, "document.getElementById('msg')", "Say which version this is")
+        self.assertEqual(self.ok("list")[0]["target"]["url"], url)
+        self.assertEqual(b.evaluate("fetch('/data.json').then(r => r.json())"), {"served": "by vite"})
+        b.evaluate("window.__keptAcrossTheUpdate = 42")
+        with open(os.path.join(app, "main.js"), "w") as handle:
+            handle.write(files["main.js"].replace("first version", "second version"))
+        b.wait_for("document.getElementById('msg').textContent === 'second version'", 20)
+        self.assertEqual(b.evaluate("window.__keptAcrossTheUpdate"), 42)  # updated in place: no reload
+        self.assertTrue(b.evaluate("!!document.getElementById('pinbox-toolbar-host')"))
+
+    def test_the_bookmarklet_and_the_demo_page_bring_up_the_toolbar(self):
+        class Plain(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                send_plain(self, 200, b"<!doctype html><title>Plain</title><h1 id=hello>Hello</h1>",
+                           [("Content-Type", "text/html")])
+
+            def log_message(self, *args):
+                pass
+
+        site = serve_in_thread(self, Plain).server_address[1]
+        b = self.browser
+        b.open("http://localhost:%d/" % site)
+        bookmarklet = self.ok("toolbar")["bookmarklet"]
+        b.evaluate(bookmarklet[len("javascript:"):])  # what clicking the bookmark runs in the page
+        drop_pin(b, "document.getElementById('hello')", "Say hello properly")
+        self.assertEqual([p["target"]["url"] for p in self.ok("list")], ["http://localhost:%d/" % site])
+        b.open(self.ok("open", "--no-browser")["url"])
+        drop_pin(b, "document.getElementById('total')", "The total is cut off")
+        self.assertEqual(self.ok("list")[0]["target"]["url"], "http://127.0.0.1:%d/demo" % self.port)
+        shots = os.path.join(os.environ.get("TMPDIR", "/tmp"), "pinbox-test-artifacts")
+        os.makedirs(shots, exist_ok=True)
+        b.screenshot(os.path.join(shots, "demo.png"))
+
+
+# ============================================================================
 # Hub: finding and starting hubs
 # ============================================================================
 
@@ -4117,6 +4526,21 @@ class TestHubLifecycle(HubCase):
         shutil.rmtree(self.repo)
         self.proc.wait(timeout=15)  # hang guard
         self.assertFalse(os.path.exists(self.repo))
+
+    def test_a_command_returns_once_the_hub_it_started_listens(self):
+        fresh = os.path.join(self.tmp, "fresh")
+        os.makedirs(fresh)
+        git(fresh, "init", "-q")
+        env = dict(self.env)
+        del env["PINBOX_NO_SPAWN"]
+        self.ok("summary", cwd=fresh, env=env)
+        # No waiting here: the state is there as the command returns.
+        with open(os.path.join(fresh, ".pinbox", "server.json")) as handle:
+            port = json.load(handle)["port"]
+        with unittest.mock.patch.dict(os.environ, env):
+            pid = pinbox.running_hub(fresh)["pid"]
+        self.addCleanup(self.end_hub, pid)
+        self.assertEqual(self.request("GET", "/health", token=False, port=port)[0], 200)
 
     def test_commands_start_the_hub_in_the_background(self):
         self.stop_hub(self.proc)
@@ -4523,6 +4947,58 @@ class TestInitGitHook(PinboxCase):
             line = handle.read().split("\n")[2]
         self.assertTrue(line.startswith(sys.executable + " -I -S -c "), line)
         self.assertIn(HERE, line)
+
+
+class TestInstall(PinboxCase):
+    def test_install_puts_a_fast_pinbox_on_path_and_takes_it_away(self):
+        copy = os.path.join(self.tmp, "vendored", "pinbox.py")
+        os.makedirs(os.path.dirname(copy))
+        shutil.copy(SCRIPT, copy)
+        done = subprocess.run([sys.executable, copy, "install", "--json"], cwd=self.repo, env=self.env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
+        r = Result(done.returncode, done.stdout.decode(), done.stderr.decode())
+        self.assertEqual(r.code, 0, r)
+        launcher = os.path.join(self.env["HOME"], ".local", "bin", "pinbox")
+        self.assertEqual((r.json["data"]["outcome"], r.json["data"]["path"]), ("installed", launcher))
+        self.assertFalse(r.json["data"]["onPath"])
+        self.assertIn('export PATH="%s:$PATH"' % os.path.dirname(launcher), r.json["data"]["notes"][0])
+        self.assertTrue(os.access(launcher, os.X_OK))
+        env = dict(self.env, PATH=os.path.dirname(launcher) + os.pathsep + self.env["PATH"])
+        self.pin("made before")
+        done = subprocess.run(["pinbox", "list", "--json"], cwd=self.repo, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, timeout=30)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertEqual([p["text"] for p in json.loads(done.stdout)["data"]], ["made before"])
+        with open(launcher) as handle:
+            self.assertIn(copy, handle.read())  # it runs the copy it was installed from
+        again = subprocess.run(["pinbox", "install", "--json"], cwd=self.repo, env=env, stdout=subprocess.PIPE,
+                               timeout=30)
+        self.assertEqual(json.loads(again.stdout)["data"]["outcome"], "unchanged")
+        self.assertTrue(json.loads(again.stdout)["data"]["onPath"])
+        # The copy moved away: the launcher says so instead of doing nothing.
+        os.rename(copy, copy + ".moved")
+        gone = subprocess.run(["pinbox", "list"], cwd=self.repo, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, timeout=30)
+        self.assertEqual(gone.returncode, 1)
+        self.assertIn(b"is gone", gone.stderr)
+        os.rename(copy + ".moved", copy)
+        removed = subprocess.run(["pinbox", "install", "--uninstall", "--json"], cwd=self.repo, env=env,
+                                 stdout=subprocess.PIPE, timeout=30)
+        self.assertEqual(json.loads(removed.stdout)["data"]["outcome"], "removed")
+        self.assertFalse(os.path.exists(launcher))
+
+    def test_a_file_that_is_not_a_launcher_is_left_alone(self):
+        mine = os.path.join(self.tmp, "bin", "pinbox")
+        os.makedirs(os.path.dirname(mine))
+        with open(mine, "w") as handle:
+            handle.write("#!/bin/sh\necho my own pinbox\n")
+        r = self.run_pinbox("install", "--dir", os.path.dirname(mine), "--json")
+        self.assertEqual((r.code, r.json["data"]["outcome"]), (1, "kept"))
+        with open(mine) as handle:
+            self.assertEqual(handle.read(), "#!/bin/sh\necho my own pinbox\n")
+        self.assertEqual(self.run_pinbox("install", "--dir", os.path.dirname(mine), "--uninstall", "--json"
+                                         ).json["data"]["outcome"], "absent")
+        self.assertTrue(os.path.exists(mine))
 
 
 class TestInitAgents(PinboxCase):
@@ -5073,17 +5549,10 @@ class TestToolbarInChromium(HubCase):
     def test_pin_reply_and_resolve_from_a_page(self):
         b = self.browser
         b.open(self.url)
-        b.wait_for("!!document.getElementById('pinbox-toolbar-host') && !!(%s)" % self.shadow('[data-pinbox="toggle"]'))
-        b.click_at(self.shadow('[data-pinbox="toggle"]'))
         target = "document.querySelectorAll('.card p')[1]"
-        b.click_at(target)
+        drop_pin(b, target, "Shipping line is cut off")
         self.assertEqual(b.evaluate("document.title"), "Shop")  # the page's own handlers did not fire
-        b.wait_for("!!(%s)" % self.shadow('[data-pinbox="comment"]'))
-        b.click_at(self.shadow('[data-pinbox="comment"]'))
-        b.type_text("Shipping line is cut off")
-        b.click_at(self.shadow('[data-pinbox="submit"]'))
         marker = self.shadow('[data-pinbox="marker"]')
-        b.wait_for("!!(%s)" % marker)
         pins = self.ok("list")
         self.assertEqual(len(pins), 1)
         pin = pins[0]

@@ -226,9 +226,16 @@ def bench_cli(runs, workdir):
                         ["list", "--status", "open"]), ("list (all 10,000)", ["list"]), ("show", ["show", some])):
         rows.append(dict(name="pinbox %s, 10,000 pins" % label,
                          **summarize([timed(imported + args, repo, env) for _ in range(runs)])))
-    rows.append(dict(name="python3 pinbox.py list --status open (script, compiled each run)",
-                     **summarize([timed([sys.executable, script, "list", "--status", "open"], repo, env)
-                                  for _ in range(max(5, runs // 3))])))
+    # `pinbox install`'s launcher beside the script run directly, run for run.
+    subprocess.run([sys.executable, script, "install", "--dir", os.path.join(workdir, "bin")], cwd=repo, env=env,
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    launcher, direct = [], []
+    for _ in range(runs):
+        launcher.append(timed([os.path.join(workdir, "bin", "pinbox"), "list", "--status", "open"], repo, env))
+        direct.append(timed([sys.executable, script, "list", "--status", "open"], repo, env))
+    rows.append(dict(name="python3 pinbox.py list --status open (script, compiled each run)", **summarize(direct)))
+    rows.append(dict(name="pinbox list --status open (the installed launcher)", **summarize(launcher),
+                     speedup=round(statistics.median(direct) / statistics.median(launcher), 2)))
     return rows
 
 
@@ -468,8 +475,98 @@ def wait_parked(repo, count):
     raise SystemExit("bench: readers did not park")
 
 
+def bench_proxy(runs, workdir):
+    """The page proxy of `pinbox open` beside the app alone, run for run: one static asset
+    per request (a new connection each, as http.server closes them), and the requests a
+    second 8 clients get through for 3 s."""
+    import threading
+    env = bench_env(workdir)
+    site = os.path.join(workdir, "site")
+    os.makedirs(site)
+    with open(os.path.join(site, "app.js"), "wb") as handle:
+        handle.write(os.urandom(20000))
+    upstream_port = free_port()
+    app = subprocess.Popen([sys.executable, "-m", "http.server", str(upstream_port), "--bind", "127.0.0.1"], cwd=site,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    repo = project(workdir, "proxy", env)
+    proc, hub = start_hub(repo, env)
+    try:
+        wait_port(upstream_port)
+        status, data = call_hub(hub["port"], hub["token"], "POST", "/proxies",
+                                {"upstream": "http://127.0.0.1:%d" % upstream_port})
+        proxy_port = json.loads(data)["data"]["port"]
+        targets = {"direct": upstream_port, "proxy": proxy_port}
+
+        def get(port):
+            from http.client import HTTPConnection
+            conn = HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.request("GET", "/app.js", headers={"Host": "127.0.0.1:%d" % port})
+            answer = conn.getresponse()
+            body = answer.read()
+            conn.close()
+            if answer.status != 200 or len(body) != 20000:
+                raise SystemExit("bench: %d gave %d (%d bytes)" % (port, answer.status, len(body)))
+
+        samples = {"direct": [], "proxy": []}
+        for _ in range(max(runs, 50)):
+            for name, port in targets.items():
+                started = time.perf_counter()
+                get(port)
+                samples[name].append((time.perf_counter() - started) * 1000)
+        added = [p - d for p, d in zip(samples["proxy"], samples["direct"])]
+        rows = [dict(name="GET a 20 KB asset from the app alone", **summarize(samples["direct"])),
+                dict(name="GET a 20 KB asset through the page proxy", **summarize(samples["proxy"])),
+                dict(name="  added by the proxy (paired)", **summarize(added), target_ms=2)]
+        rates = {}
+        for name, port in targets.items():
+            done, stop = [0], time.perf_counter() + 3
+
+            def client():
+                while time.perf_counter() < stop:
+                    get(port)
+                    done[0] += 1
+
+            threads = [threading.Thread(target=client) for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            rates[name] = done[0] / 3.0
+        rows.append({"name": "20 KB assets, 8 clients, the app alone", "per_second": round(rates["direct"]),
+                     "errors": 0})
+        rows.append({"name": "20 KB assets, 8 clients, through the proxy", "per_second": round(rates["proxy"]),
+                     "errors": 0, "target_per_second": round(0.8 * rates["direct"])})
+        return rows
+    finally:
+        proc.terminate()
+        proc.wait()
+        app.terminate()
+        app.wait()
+
+
+def free_port():
+    import socket
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+def wait_port(port):
+    import socket
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit("bench: nothing listens on %d" % port)
+
+
 BENCHMARKS = {"hooks": bench_hooks, "commit": bench_commit, "cli": bench_cli, "hub": bench_hub,
-              "delivery": bench_delivery, "inbox": bench_inbox}
+              "delivery": bench_delivery, "inbox": bench_inbox, "proxy": bench_proxy}
 
 
 def format_row(row):
