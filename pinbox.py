@@ -3585,8 +3585,8 @@ class ProxyHandler:
             headers = [(n, rewrite_location(v, self.server.upstream_origins, self.proxy_origin())
                         if n.lower() == "location" else v) for n, v in headers]
         if kind in HTML_TYPES and not bodiless:
-            body = answer.read()
-            page = decoded_body(body, answer.getheader("Content-Encoding"))
+            body = self.read_whole(answer)
+            page = decoded_body(body, answer.getheader("Content-Encoding")) if not self.close_connection else None
             if page is not None:
                 return self.send_page(answer, headers, page)
             return self.send_whole(answer, headers, body)
@@ -3600,8 +3600,24 @@ class ProxyHandler:
         elif not bodiless and answer.getheader("Content-Length") is None:
             self.close_connection = True
         self.end_headers()
-        if not bodiless:
+        length = answer.getheader("Content-Length") or ""
+        if not bodiless and length.isdigit() and int(length) <= 262144:
+            self.wfile.write(self.read_whole(answer))  # a small asset in one write: most of a dev server's answers
+        elif not bodiless:
             self.copy_body(answer, chunked)
+
+    def read_whole(self, answer):
+        """The whole body; what there is of it when the upstream went away mid-body (and
+        then this answer ends short too)."""
+        import http.client
+        try:
+            return answer.read()
+        except http.client.IncompleteRead as exc:
+            self.close_connection = True
+            return exc.partial
+        except OSError:
+            self.close_connection = True
+            return b""
 
     def copy_body(self, answer, chunked):
         """Each piece as soon as the upstream sends it (Server-Sent Events, long polls)."""
@@ -5635,7 +5651,7 @@ def main():
 
 
 # ============================================================================
-# Assets: the page toolbar and the overview page
+# Assets: the page toolbar, the overview page, the demo page
 # ============================================================================
 
 TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.

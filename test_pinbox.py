@@ -8,9 +8,10 @@ Run: python3 test_pinbox.py   (the last line says "N passed, N failed, N skipped
 After the fixtures every section has pinbox.py's banner, in pinbox.py's order: constants
 and errors → store → pins and threads → sessions → routing and the delivery ledger →
 adapters and the delivery worker → commit trailers → inbox → hub: the request router →
-hub: the server shell → hub: finding and starting hubs → hook I/O → installers → CLI:
-output → CLI: the parser → assets. Sections of pinbox.py with no test class of their own
-(CLI: verbs, entry points) are exercised through every other section's commands.
+hub: the server shell → hub: the page proxy → hub: finding and starting hubs → hook I/O →
+installers → CLI: output → CLI: the parser → assets. Sections of pinbox.py with no test
+class of their own (CLI: verbs, entry points) are exercised through every other
+section's commands.
 """
 
 import base64
@@ -4112,6 +4113,49 @@ def csp_sources(policy):
     return {d.split()[0]: set(d.split()[1:]) for d in policy.split(";") if d.strip()}
 
 
+class TestProxyParts(unittest.TestCase):
+    """The page proxy's pure parts, in-process."""
+    HUB = "http://127.0.0.1:4000"
+
+    def test_the_app_is_named_by_its_url_or_its_port(self):
+        self.assertEqual(pinbox.parse_upstream("http://localhost:5173/app"), ("http", "localhost", 5173))
+        self.assertEqual(pinbox.parse_upstream(":3000"), ("http", "localhost", 3000))
+        self.assertEqual(pinbox.parse_upstream("127.0.0.1:8080"), ("http", "127.0.0.1", 8080))
+        self.assertEqual(pinbox.parse_upstream("https://staging.example"), ("https", "staging.example", 443))
+        for bad in ("", "ftp://x", "http://", "http://u:p@localhost:3000", "http://localhost:99999", ":x"):
+            with self.subTest(bad=bad), self.assertRaises(pinbox.PinboxError) as caught:
+                pinbox.parse_upstream(bad)
+            self.assertEqual(caught.exception.code, "E_INVALID_INPUT")
+
+    def test_a_policy_allows_the_hub_and_nothing_more(self):
+        amend = pinbox.amend_csp
+        self.assertEqual(amend("script-src 'self'", self.HUB), ("script-src 'self' %s" % self.HUB, None))
+        self.assertEqual(amend("default-src 'none'; img-src *", self.HUB)[0],
+                         "default-src 'none'; img-src *; script-src %s; connect-src %s" % (self.HUB, self.HUB))
+        self.assertEqual(amend("img-src 'self'", self.HUB), ("img-src 'self'", None))  # scripts were not limited
+        policy, nonce = amend("script-src 'nonce-abc' 'strict-dynamic'; connect-src 'self' %s" % self.HUB, self.HUB)
+        self.assertEqual((policy, nonce), ("script-src 'nonce-abc' 'strict-dynamic' %s; connect-src 'self' %s"
+                                           % (self.HUB, self.HUB), "abc"))
+        self.assertEqual(amend("script-src-elem 'self'; script-src 'self'", self.HUB)[0],
+                         "script-src-elem 'self' %s; script-src 'self' %s" % (self.HUB, self.HUB))
+
+    def test_the_tag_goes_before_the_body_ends(self):
+        tag = pinbox.toolbar_tag(self.HUB, "tok").encode()
+        inject = pinbox.inject_toolbar
+        self.assertEqual(inject(b"<p>a</p></BODY></html>", self.HUB, "tok"), b"<p>a</p>" + tag + b"</BODY></html>")
+        self.assertEqual(inject(b"<head></head><p>x", self.HUB, "tok"), b"<head>" + tag + b"</head><p>x")
+        self.assertEqual(inject(b"<p>only", self.HUB, "tok"), b"<p>only" + tag)
+        page = inject(b"<meta http-equiv='Content-Security-Policy' content='script-src &#39;self&#39;'></body>",
+                      self.HUB, "tok")
+        self.assertIn(b"content='script-src &#39;self&#39; %s'" % self.HUB.encode(), page)
+        self.assertEqual(pinbox.decoded_body(b"\x1f\x8b broken", "gzip"), None)  # passes through untouched
+        self.assertEqual(pinbox.decoded_body(b"raw", "br"), None)
+        self.assertEqual(pinbox.rewrite_location("http://localhost:3000/a?b", ["http://localhost:3000"],
+                                                 "http://localhost:9"), "http://localhost:9/a?b")
+        self.assertEqual(pinbox.rewrite_location("http://localhost:30001/", ["http://localhost:3000"],
+                                                 "http://localhost:9"), "http://localhost:30001/")
+
+
 class TestPageProxy(HubCase):
     """`pinbox open <url>`: an app's pages through the hub, with the toolbar in each."""
     HUB_ENV = {"PINBOX_PROXY_TIMEOUT_MS": "1500"}
@@ -5507,7 +5551,7 @@ class TestCommandLine(PinboxCase):
 
 
 # ============================================================================
-# Assets: the page toolbar and the overview page
+# Assets: the page toolbar, the overview page, the demo page
 # ============================================================================
 
 class TestToolbarInChromium(HubCase):

@@ -489,6 +489,8 @@ def bench_proxy(runs, workdir):
     app = subprocess.Popen([sys.executable, "-m", "http.server", str(upstream_port), "--bind", "127.0.0.1"], cwd=site,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     repo = project(workdir, "proxy", env)
+    old = dict(os.environ)
+    os.environ.update(XDG_STATE_HOME=env["XDG_STATE_HOME"])  # where start_hub looks for the hub
     proc, hub = start_hub(repo, env)
     try:
         wait_port(upstream_port)
@@ -538,6 +540,8 @@ def bench_proxy(runs, workdir):
                      "errors": 0, "target_per_second": round(0.8 * rates["direct"])})
         return rows
     finally:
+        os.environ.clear()
+        os.environ.update(old)
         proc.terminate()
         proc.wait()
         app.terminate()
