@@ -3501,14 +3501,26 @@ class ProxyHandler:
             return self.refuse(400, "Content-Length is not one plain number")
         if self.headers.get("Upgrade"):
             return self.tunnel()
+        import http.client
         try:
-            answer, conn = self.forward()
-        except OSError as exc:
+            answer = self.forward()
+        except (OSError, http.client.HTTPException) as exc:
+            self.drop_upstream()
             return self.upstream_down(exc)
         try:
             self.answer(answer)
         finally:
+            if answer.will_close or not answer.isclosed() or self.close_connection:
+                self.drop_upstream()  # not read to its end, or the app closes it: not kept
+
+    def drop_upstream(self):
+        conn, self.kept = getattr(self, "kept", None), None
+        if conn is not None:
             conn.close()
+
+    def finish(self):
+        super().finish()
+        self.drop_upstream()
 
     def proxy_origin(self):
         return "http://" + self.headers.get("Host")
@@ -3539,8 +3551,24 @@ class ProxyHandler:
         return http.client.HTTPConnection(host, port, timeout=proxy_timeout())
 
     def forward(self):
-        """Sends the request on (its body streamed as it arrives); (response, connection)."""
-        conn = self.connect()
+        """Sends the request on, on the connection to the app this browser connection
+        keeps (a fresh one when the app closed that one: it restarted, say), and returns
+        the app's response."""
+        import http.client
+        kept = getattr(self, "kept", None)
+        bodiless = not self.headers.get("Content-Length") and not self.headers.get("Transfer-Encoding")
+        if kept is not None and bodiless:
+            try:
+                return self.send_upstream(kept)
+            except (OSError, http.client.HTTPException):
+                self.drop_upstream()  # gone since the last request: once more, afresh
+        elif kept is not None:
+            self.drop_upstream()  # a body cannot be sent twice: it goes on a fresh connection
+        self.kept = self.connect()
+        return self.send_upstream(self.kept)
+
+    def send_upstream(self, conn):
+        """The request on `conn` (its body streamed as it arrives); the app's response."""
         conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
         for name, value in self.upstream_headers():
             conn.putheader(name, value)
@@ -3560,7 +3588,7 @@ class ProxyHandler:
             length -= len(data)
         if chunked:
             self.relay_chunked_body(conn)
-        return conn.getresponse(), conn
+        return conn.getresponse()
 
     def relay_chunked_body(self, conn):
         while True:
@@ -3667,7 +3695,7 @@ class ProxyHandler:
         where = self.server.upstream_origin
         status = 504 if isinstance(exc, socket.timeout) else 502
         text = ("%s did not answer within %d s" % (where, proxy_timeout()) if status == 504
-                else "%s is not answering (%s)" % (where, exc.strerror or type(exc).__name__))
+                else "%s is not answering (%s)" % (where, getattr(exc, "strerror", None) or type(exc).__name__))
         html = "html" in (self.headers.get("Accept") or "")
         from html import escape
         body = (DOWN_PAGE % {"text": escape(text)} if html else "pinbox: %s\n" % text).encode("utf-8")

@@ -5689,6 +5689,15 @@ class CountingResult(unittest.TextTestResult):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.passed = 0
+        self.took = []  # (seconds, test id): the slowest are printed at the end
+
+    def startTest(self, test):
+        self.started = time.monotonic()
+        super().startTest(test)
+
+    def stopTest(self, test):
+        super().stopTest(test)
+        self.took.append((time.monotonic() - self.started, test.id()))
 
     def addSuccess(self, test):
         super().addSuccess(test)
@@ -5704,20 +5713,25 @@ def run_tests(names):
     result = runner.run(suite)
     for test, reason in result.skipped:
         print("skipped %s: %s" % (test.id(), reason))
+    for seconds, name in sorted(result.took, reverse=True)[:8]:
+        print("slowest: %5.1f s  %s" % (seconds, name.replace("__main__.", "")))
     failed = len(result.failures) + len(result.errors) + len(result.unexpectedSuccesses)
     return result.passed, failed, len(result.skipped)
 
 
-def test_classes():
+def test_names():
+    """Every test as Class.method: dealt one by one, the workers end at about the same time
+    (dealt by class, one worker got the slow classes and ran twice as long as another)."""
     module = sys.modules[__name__]
-    return [name for name, value in vars(module).items()
+    loader = unittest.defaultTestLoader
+    return ["%s.%s" % (name, method) for name, value in vars(module).items()
             if isinstance(value, type) and issubclass(value, unittest.TestCase)
-            and unittest.defaultTestLoader.getTestCaseNames(value)]
+            for method in loader.getTestCaseNames(value)]
 
 
 def run_in_parallel(names, workers):
-    """The tests (classes, or Class.method names) dealt out to `workers` processes (this
-    machine has two cores), each worker's output printed whole when it ends."""
+    """The tests (classes, or Class.method names) dealt out to `workers` processes, each
+    worker's output printed whole when it ends."""
     buckets = [bucket for bucket in (names[i::workers] for i in range(workers)) if bucket]
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"] + bucket,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for bucket in buckets]
@@ -5741,8 +5755,9 @@ def main():
     if args[:1] == ["--worker"]:
         passed, failed, skipped = run_tests(args[1:])
     else:
-        passed, failed, skipped = run_in_parallel(args or test_classes(),
-                                                  int(os.environ.get("PINBOX_TEST_WORKERS", "2")))
+        # Three workers on two cores: many tests wait on processes, sockets and timers.
+        passed, failed, skipped = run_in_parallel(args or test_names(),
+                                                  int(os.environ.get("PINBOX_TEST_WORKERS", "3")))
     print("suite took %.1f s" % (time.time() - started))
     print("%d passed, %d failed, %d skipped" % (passed, failed, skipped))
     sys.exit(1 if failed else 0)
