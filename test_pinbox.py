@@ -4078,6 +4078,17 @@ def fake_app(test, pages):
     return serve_in_thread(test, App).server_address[1], seen
 
 
+def recv_until(sock, done):
+    """What `sock` sends until `done(received)` holds; fails when it closes first."""
+    received = b""
+    while not done(received):
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise AssertionError("the connection closed after %r" % received[-200:])
+        received += chunk
+    return received
+
+
 def send_plain(handler, status, body, headers=()):
     handler.send_response(status)
     for name, value in headers:
@@ -4229,13 +4240,10 @@ class TestPageProxy(HubCase):
         # Server-Sent Events arrive one by one: the first before the upstream sends the second.
         sock = socket.create_connection(("127.0.0.1", self.proxy), timeout=10)
         sock.sendall(b"GET /events HTTP/1.1\r\nHost: localhost:%d\r\n\r\n" % self.proxy)
-        got = b""
-        while b"data: one" not in got:
-            got += sock.recv(65536)
+        got = recv_until(sock, lambda got: b"data: one" in got)
         self.assertNotIn(b"data: two", got)
         gate.set()
-        while b"data: two" not in got:
-            got += sock.recv(65536)
+        recv_until(sock, lambda more: b"data: two" in more)
         sock.close()
 
     def test_never_an_open_proxy_and_a_clear_word_when_the_app_fails(self):
@@ -4317,10 +4325,7 @@ class TestPageProxy(HubCase):
 
         def upstream():
             conn, _ = listener.accept()
-            head = b""
-            while b"\r\n\r\n" not in head:
-                head += conn.recv(4096)
-            heard.append(head)
+            heard.append(recv_until(conn, lambda head: b"\r\n\r\n" in head))
             conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
             while True:
                 data = conn.recv(65536)
@@ -4335,16 +4340,11 @@ class TestPageProxy(HubCase):
         sock.sendall(b"GET /hmr?token=t1 HTTP/1.1\r\nHost: localhost:%d\r\nUpgrade: websocket\r\nConnection: Upgrade"
                      b"\r\nOrigin: http://localhost:%d\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
                      % (self.proxy, self.proxy))
-        reply = b""
-        while b"\r\n\r\n" not in reply:
-            reply += sock.recv(4096)
+        reply = recv_until(sock, lambda reply: b"\r\n\r\n" in reply)
         self.assertTrue(reply.startswith(b"HTTP/1.1 101 "), reply)
         payload = bytes(range(256)) * 40
         sock.sendall(payload)
-        back = b""
-        while len(back) < len(payload):
-            back += sock.recv(65536)
-        self.assertEqual(back, payload[::-1])
+        self.assertEqual(recv_until(sock, lambda back: len(back) >= len(payload)), payload[::-1])
         sock.close()
         head = heard[0].decode("latin-1")
         self.assertTrue(head.startswith("GET /hmr?token=t1 HTTP/1.1\r\n"), head)

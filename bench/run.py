@@ -478,6 +478,7 @@ def wait_parked(repo, count):
 KEEP_ALIVE_SERVER = """import functools, http.server, sys
 class Handler(http.server.SimpleHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # as Node's servers do: no 40 ms delayed-ACK stall per answer
     def log_message(self, *args):
         pass
 http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
