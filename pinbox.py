@@ -4835,9 +4835,12 @@ def cmd_open(ctx):
     if args.url:
         url = call_hub(hub, "POST", "/proxies", {"upstream": args.url})["url"]
         facts = "%s with the pinbox toolbar: %s" % (args.url, url)
-    else:
+    elif shows_secrets(ctx):
         url = "http://127.0.0.1:%d/demo#token=%s" % (hub["port"], hub["token"])
         facts = "the pinbox demo page: %s" % url
+    else:  # the token goes to a terminal or to --json, never into a file or a pipe's log
+        raise invalid("the demo page's address holds the project token", "run `pinbox open` on a terminal, "
+                      "or ask for it with `pinbox open --json`")
     opened = False if args.no_browser else open_browser(url)
     note = None if opened or args.no_browser else "open it in your browser (no graphical browser was found here)"
     ctx.out.result({"url": url, "upstream": args.url, "hub": "http://127.0.0.1:%d" % hub["port"],
@@ -4864,7 +4867,15 @@ def toolbar_help(port, token):
             % (ways["tag"], ways["overview"]))
 
 
+def shows_secrets(ctx):
+    """The project token is printed to a person's terminal, or into --json when asked for."""
+    return ctx.out.asked or sys.stdout.isatty()
+
+
 def cmd_toolbar(ctx):
+    if not shows_secrets(ctx):
+        raise invalid("the toolbar's tag holds the project token", "run `pinbox toolbar` on a terminal, or ask "
+                      "for it with `pinbox toolbar --json`")
     hub = hub_for(ctx.root)
     ways = toolbar_ways(hub["port"], hub["token"])
     facts = ("Tag (paste into your page's HTML):\n  %s\n\nBookmarklet (save as a bookmark's URL; click it on a "

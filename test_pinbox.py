@@ -440,6 +440,16 @@ class DeliveryCase(HubCase):
         self.fail("ledger never got there: %d rows, last %s" % (len(rows), rows[-3:]))
 
 
+def recv_all(sock):
+    """Everything `sock` sends until it closes."""
+    received = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return received
+        received += chunk
+
+
 def closed_port():
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -3247,13 +3257,7 @@ def slow_wire_client(cases, kind, gap, stop, results):
             time.sleep(gap)
         sock.sendall(rest)
         sock.shutdown(socket.SHUT_WR)
-        received = b""
-        while True:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            received += chunk
-        results.append((kind, wire_statuses(received)))
+        results.append((kind, wire_statuses(recv_all(sock))))
     except OSError as exc:
         results.append((kind, repr(exc)))
     finally:
@@ -4284,12 +4288,7 @@ class TestPageProxy(HubCase):
         self.assertIn(b"did not answer", body)
         sock = socket.create_connection(("127.0.0.1", self.proxy), timeout=10)
         sock.sendall(b"GET /cut HTTP/1.1\r\nHost: localhost:%d\r\n\r\n" % self.proxy)
-        got = b""
-        while True:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            got += chunk
+        got = recv_all(sock)
         sock.close()
         self.assertTrue(got.startswith(b"HTTP/1.1 200") and got.endswith(b"x" * 10), got[:200])
         # An app that is down: a page that retries; back up on its port, it is served again.
@@ -4353,6 +4352,21 @@ class TestPageProxy(HubCase):
         self.assertIn("Origin: http://localhost:%d\r\n" % port, head)
         self.assertIn("Upgrade: websocket\r\n", head)
 
+    def test_open_shows_the_address_in_the_persons_browser(self):
+        opened = os.path.join(self.tmp, "opened")
+        browser = os.path.join(self.tmp, "browser")
+        with open(browser, "w") as handle:
+            handle.write("#!/bin/sh\necho \"$1\" >> %s\n" % opened)
+        os.chmod(browser, 0o755)
+        app, _ = fake_app(self, {"/": lambda h: send_plain(h, 200, b"<p>app</p>", [("Content-Type", "text/html")])})
+        data = self.ok("open", ":%d" % app, env=dict(self.env, BROWSER=browser))
+        self.assertTrue(data["browser"])
+        with open(opened) as handle:
+            self.assertEqual(handle.read(), data["url"] + "\n")
+        headless = {k: v for k, v in self.env.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "BROWSER")}
+        r = self.run_pinbox("open", ":%d" % app, env=headless)
+        self.assertEqual((r.code, r.json["data"]["browser"]), (0, False))  # no screen: no text browser either
+
     def test_serve_on_a_terminal_prints_the_tag_while_a_hub_runs(self):
         r = self.human("serve")
         tag = '<script src="http://127.0.0.1:%d/toolbar.js" data-token="%s"></script>' % (self.port, self.token)
@@ -4373,7 +4387,11 @@ class TestPageProxy(HubCase):
         r = self.human("toolbar")
         self.assertIn("Bookmarklet", r.out)
         self.assertIn(data["bookmarklet"], r.out)
-        demo = self.ok("open", "--no-browser")
+        for verb in ("toolbar", "open"):  # into a pipe (a log) without --json: no token
+            piped = self.run_pinbox(verb)
+            self.assertEqual(piped.code, 2, piped)
+            self.assertNotIn(self.token, piped.out + piped.err)
+        demo = self.ok("open", "--no-browser", "--json")
         self.assertEqual(demo["url"], "http://127.0.0.1:%d/demo#token=%s" % (self.port, self.token))
         status, page, _ = self.request("GET", "/demo", token=False)
         self.assertEqual(status, 200)
@@ -4467,11 +4485,11 @@ class TestPageProxyInChromium(HubCase):
         site = serve_in_thread(self, Plain).server_address[1]
         b = self.browser
         b.open("http://localhost:%d/" % site)
-        bookmarklet = self.ok("toolbar")["bookmarklet"]
+        bookmarklet = self.ok("toolbar", "--json")["bookmarklet"]
         b.evaluate(bookmarklet[len("javascript:"):])  # what clicking the bookmark runs in the page
         drop_pin(b, "document.getElementById('hello')", "Say hello properly")
         self.assertEqual([p["target"]["url"] for p in self.ok("list")], ["http://localhost:%d/" % site])
-        b.open(self.ok("open", "--no-browser")["url"])
+        b.open(self.ok("open", "--no-browser", "--json")["url"])
         drop_pin(b, "document.getElementById('total')", "The total is cut off")
         self.assertEqual(self.ok("list")[0]["target"]["url"], "http://127.0.0.1:%d/demo" % self.port)
         shots = os.path.join(os.environ.get("TMPDIR", "/tmp"), "pinbox-test-artifacts")

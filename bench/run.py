@@ -475,13 +475,15 @@ def wait_parked(repo, count):
     raise SystemExit("bench: readers did not park")
 
 
-KEEP_ALIVE_SERVER = """import functools, http.server, sys
+KEEP_ALIVE_SERVER = """import http.server
 class Handler(http.server.SimpleHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True  # as Node's servers do: no 40 ms delayed-ACK stall per answer
     def log_message(self, *args):
         pass
-http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+print(server.server_address[1], flush=True)
+server.serve_forever()
 """
 
 
@@ -495,16 +497,15 @@ def bench_proxy(runs, workdir):
     os.makedirs(site)
     with open(os.path.join(site, "app.js"), "wb") as handle:
         handle.write(os.urandom(20000))
-    upstream_port = free_port()
     # The app: a static server that keeps connections open, as dev servers do.
-    app = subprocess.Popen([sys.executable, "-c", KEEP_ALIVE_SERVER, str(upstream_port)], cwd=site,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    app = subprocess.Popen([sys.executable, "-c", KEEP_ALIVE_SERVER], cwd=site, stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL)
+    upstream_port = int(app.stdout.readline())  # it listens once it says where
     repo = project(workdir, "proxy", env)
     old = dict(os.environ)
     os.environ.update(XDG_STATE_HOME=env["XDG_STATE_HOME"])  # where start_hub looks for the hub
     proc, hub = start_hub(repo, env)
     try:
-        wait_port(upstream_port)
         status, data = call_hub(hub["port"], hub["token"], "POST", "/proxies",
                                 {"upstream": "http://127.0.0.1:%d" % upstream_port})
         proxy_port = json.loads(data)["data"]["port"]
@@ -563,27 +564,6 @@ def bench_proxy(runs, workdir):
         proc.wait()
         app.terminate()
         app.wait()
-
-
-def free_port():
-    import socket
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
-
-
-def wait_port(port):
-    import socket
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit("bench: nothing listens on %d" % port)
 
 
 BENCHMARKS = {"hooks": bench_hooks, "commit": bench_commit, "cli": bench_cli, "hub": bench_hub,
