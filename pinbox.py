@@ -3879,6 +3879,8 @@ def ensure_hub(root, quick=False, wait=0.0):
             os._exit(127)
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline and hub_listening(root) is None:
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            break  # it ended already (it could not start, or another hub has the project): no use waiting
         time.sleep(0.02)
     return pid
 

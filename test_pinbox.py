@@ -4604,6 +4604,17 @@ class TestHubLifecycle(HubCase):
         self.addCleanup(self.end_hub, pid)
         self.assertEqual(self.request("GET", "/health", token=False, port=port)[0], 200)
 
+    def test_a_hub_that_cannot_start_is_not_waited_for(self):
+        self.stop_hub(self.proc)
+        os.symlink(os.path.join(self.tmp, "elsewhere.log"), os.path.join(self.repo, ".pinbox", "hub.log"))
+        env = {k: v for k, v in self.env.items() if k != "PINBOX_NO_SPAWN"}
+        started = time.monotonic()
+        with unittest.mock.patch.dict(os.environ, env, clear=True):
+            pid = pinbox.ensure_hub(self.repo, wait=60)  # its child cannot open its log: it ends at once
+        self.assertIsNotNone(pid)
+        self.assertLess(time.monotonic() - started, 20)  # hang guard: it would wait out the 60 s
+        self.assertFalse(os.path.exists(os.path.join(self.tmp, "elsewhere.log")))
+
     def test_commands_start_the_hub_in_the_background(self):
         self.stop_hub(self.proc)
         env = dict(self.env)
