@@ -3866,7 +3866,9 @@ def ensure_hub(root, quick=False, wait=0.0):
     if pid == 0:  # the child becomes the hub
         try:
             os.setsid()
-            os.makedirs(directory, exist_ok=True)  # a git repository's first hub makes .pinbox/
+            if not os.path.isdir(directory):  # a git repository's first hub makes .pinbox/, kept out of git
+                os.makedirs(directory)
+                write_file(os.path.join(directory, ".gitignore"), "# made by pinbox: none of this goes into git\n*\n")
             null = os.open(os.devnull, os.O_RDONLY)
             flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW  # novermin (flags, not a type union)
             log = os.open(os.path.join(directory, "hub.log"), flags, 0o600)

@@ -4603,6 +4603,7 @@ class TestHubLifecycle(HubCase):
             pid = pinbox.running_hub(fresh)["pid"]
         self.addCleanup(self.end_hub, pid)
         self.assertEqual(self.request("GET", "/health", token=False, port=port)[0], 200)
+        self.assertEqual(git(fresh, "status", "--porcelain"), "")  # the store it made stays out of git
 
     def test_a_hub_that_cannot_start_is_not_waited_for(self):
         self.stop_hub(self.proc)
