@@ -152,8 +152,10 @@ def write_file(path, data, mode=None, private=False):
         os.chmod(folder, 0o700)
         mode = 0o600
     elif mode is None:
+        import stat
         try:
-            mode = os.lstat(path).st_mode & 0o7777 if os.path.isfile(path) and not os.path.islink(path) else None
+            info = os.lstat(path)  # a link's mode is not the file's: a link is replaced with the umask's
+            mode = info.st_mode & 0o7777 if stat.S_ISREG(info.st_mode) else None
         except OSError:
             mode = None
     tmp = "%s.pinbox-%d" % (path, os.getpid())
@@ -2591,7 +2593,7 @@ class Hub:
         with self._lock:
             server = self.proxies.get(upstream)
             if server is None:
-                server = self.proxies[upstream] = start_proxy(self, self.activity, upstream)
+                server = self.proxies[upstream] = start_proxy(self, upstream)
         return server.server_address[1]
 
     def close_proxies(self):
@@ -2779,9 +2781,9 @@ class HubServer:
     daemon_threads = True
     request_queue_size = 256
 
-    def __init__(self, address, handler, hub, activity):
+    def __init__(self, address, handler, hub):
         import threading
-        self.hub, self.activity = hub, activity
+        self.hub = hub
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.active = 0
         super().__init__(address, handler)
@@ -2863,7 +2865,7 @@ class HubHandler:
     def handle_one(self, method):
         from urllib.parse import urlsplit, parse_qsl
         hub = self.server.hub
-        self.server.activity.touch()
+        hub.activity.touch()
         self.cors = []
         try:
             split = urlsplit(self.path)
@@ -3194,9 +3196,9 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
         handler_class = type("Handler", (HubHandler, http.server.BaseHTTPRequestHandler), {})
         wanted = port if port is not None else last_port(port_path)
         try:
-            server = server_class(("127.0.0.1", wanted or 0), handler_class, hub, hub.activity)
+            server = server_class(("127.0.0.1", wanted or 0), handler_class, hub)
         except OSError:
-            server = server_class(("127.0.0.1", 0), handler_class, hub, hub.activity)  # taken: any free port
+            server = server_class(("127.0.0.1", 0), handler_class, hub)  # taken: any free port
         bound = hub.port = server.server_address[1]
         write_file(port_path, "%d\n" % bound, private=True)
         write_file(hub_json, json.dumps({"pid": os.getpid(), "port": bound, "token": hub.token,
@@ -3298,8 +3300,8 @@ def watch_idle(hub, server):
         if not os.path.isdir(hub.root):
             stop_hub(hub, server)
         elif hub.streams or hub.toolbars or hub.pushing or hub.pushes.running:
-            server.activity.touch()
-        elif server.activity.idle_for() > idle:
+            hub.activity.touch()
+        elif hub.activity.idle_for() > idle:
             stop_hub(hub, server)
 
 
@@ -3446,14 +3448,14 @@ def proxy_timeout():
 class ProxyServer(HubServer):
     """A HubServer for one upstream: `upstream` is (scheme, host, port)."""
 
-    def __init__(self, address, handler, hub, activity, upstream):
+    def __init__(self, address, handler, hub, upstream):
         self.upstream = upstream
         scheme, host, port = upstream
         self.upstream_origin = origin_of(scheme, host, port)
         # The same app named another way (localhost for 127.0.0.1) redirects to itself too.
         aliases = {host} | ({"localhost", "127.0.0.1"} if host in ("localhost", "127.0.0.1") else set())
         self.upstream_origins = sorted({origin_of(scheme, name, port) for name in aliases}, key=len, reverse=True)
-        super().__init__(address, handler, hub, activity)
+        super().__init__(address, handler, hub)
 
 
 class ProxyHandler:
@@ -3485,7 +3487,7 @@ class ProxyHandler:
         self.close_connection = True
 
     def relay(self):
-        self.server.activity.touch()
+        self.server.hub.activity.touch()
         # Never an open proxy: only origin-form targets, for a name of this machine.
         if not self.path.startswith("/"):
             return self.refuse(400, "this proxy forwards only to %s, and only paths" % self.server.upstream_origin)
@@ -3760,13 +3762,13 @@ def pipe_bytes(read, sock):
         pass
 
 
-def start_proxy(hub, activity, upstream):
+def start_proxy(hub, upstream):
     """A page proxy for `upstream` on a free port of 127.0.0.1, served by a thread of the hub."""
     import http.server
     import threading
     server_class = type("PageProxy", (ProxyServer, http.server.ThreadingHTTPServer), {})
     handler_class = type("ProxyRequest", (ProxyHandler, http.server.BaseHTTPRequestHandler), {})
-    server = server_class(("127.0.0.1", 0), handler_class, hub, activity, upstream)
+    server = server_class(("127.0.0.1", 0), handler_class, hub, upstream)
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
     return server
 
