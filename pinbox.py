@@ -1335,6 +1335,8 @@ CONTEXT_LIMIT = 9000  # Claude Code turns hook output over 10,000 characters int
 POINTER = ("Details: `pinbox show <id>` · reply: `pinbox reply <id> <text> --as agent` · "
            "when fixed, commit with `Fixes: <id>` or run `pinbox resolve <id> --as agent`")
 QUOTE_LIMIT = 2000
+SEEING = ("Attached files are pictures of what the person saw when they dropped the pin: open a path "
+          "(e.g. with your file-reading tool) to look at it.")
 
 
 LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # what str.splitlines breaks at
@@ -1365,15 +1367,49 @@ def fenced(text):
     return "%s\n%s\n%s" % (fence, text, fence)
 
 
-def agent_pin_line(pin, limit=600):
+def split_origin(url):
+    """("scheme://host:port", "/path?query") of an absolute URL; ("", url) otherwise."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or not scheme.isalpha():
+        return "", url
+    host, _, path = rest.partition("/")
+    return scheme + "://" + host, "/" + path
+
+
+def home_origin(pins):
+    """The dev origin a context is about: the newest pin's (pins come newest first)."""
+    for pin in pins:
+        origin = split_origin((pin.get("target") or {}).get("url") or "")[0]
+        if origin:
+            return origin
+    return ""
+
+
+def page_and_files(pin, home):
+    """Where a pin was dropped (its path on the home origin, else the whole URL) and
+    the files attached to it, by path — never their bytes."""
+    parts = []
+    url = (pin.get("target") or {}).get("url")
+    if url:
+        origin, path = split_origin(url)
+        parts.append("page " + (path if origin and origin == home else url)[:300])
+    files = [a["path"] for a in pin.get("attachments") or () if isinstance(a, dict) and a.get("path")]
+    if files:
+        parts.append("attached: " + ", ".join(files[:4]) + (" (+%d more)" % (len(files) - 4) if len(files) > 4 else ""))
+    return flat("".join(" · " + part for part in parts))
+
+
+def agent_pin_line(pin, home="", limit=600):
     line = flat(compact_line(pin))  # the selector and URL come from the page too
-    return line if len(line) <= limit else line[:limit - 1] + "…"
+    line = line if len(line) <= limit else line[:limit - 1] + "…"
+    return line + page_and_files(pin, home)
 
 
-def message_block(kind, payload, pin):
+def message_block(kind, payload, pin, home=""):
     """A reply or reopen, quoted as data, with the pin it is about."""
     locus = pin_locus(pin)
-    about = "[%s] %s%s" % (pin.get("status"), flat(locus) + " — " if locus else "", flat(pin.get("text", ""))[:300])
+    about = "[%s] %s%s%s" % (pin.get("status"), flat(locus) + " — " if locus else "", flat(pin.get("text", ""))[:300],
+                             page_and_files(pin, home))
     if kind == "pin.verified":
         head = "Pinbox: a human reopened pin %s (rejected the fix) — %s." % (pin["id"], about)
         text = (payload.get("verification") or {}).get("note") or "(no note given)"
@@ -1389,9 +1425,10 @@ def build_context(header, pins, messages, limit=CONTEXT_LIMIT, notes=()):
     """Header, one line per pin (newest first), the quoted messages, the pointer —
     under `limit` characters: the newest pins are kept, and a last line says how many
     more there are and how to list them."""
-    blocks = [message_block(*m) for m in messages]
+    home = home_origin(list(pins) + [m[2] for m in messages])
+    blocks = [message_block(*m, home=home) for m in messages]
     # Room for the header, the pointer, the notes and the two "more" lines.
-    budget = limit - len(header) - len(POINTER) - sum(len(n) + 1 for n in notes) - 250
+    budget = limit - len(header) - len(POINTER) - len(SEEING) - sum(len(n) + 1 for n in notes) - 250
     shown_blocks, used = [], 0
     for block in reversed(blocks):  # newest messages first when they must be cut
         if used + len(block) + 1 > budget // 2 and shown_blocks:
@@ -1400,7 +1437,7 @@ def build_context(header, pins, messages, limit=CONTEXT_LIMIT, notes=()):
         used += len(block) + 1
     lines, more = [], 0
     for pin in pins:
-        line = agent_pin_line(pin)
+        line = agent_pin_line(pin, home)
         if used + len(line) + 1 > budget:
             more += 1
             continue
@@ -1412,6 +1449,8 @@ def build_context(header, pins, messages, limit=CONTEXT_LIMIT, notes=()):
     if len(shown_blocks) < len(blocks):
         parts.append("(%d earlier message(s) not shown: `pinbox show <id>`)" % (len(blocks) - len(shown_blocks)))
     parts += shown_blocks
+    if any(" · attached: " in part for part in lines + shown_blocks):
+        parts.append(SEEING)
     parts.extend(notes)
     parts.append(POINTER)
     return "\n".join(parts)
@@ -1594,12 +1633,15 @@ def push_resume(event, session, pin, pushes):
                      % (session["agent"], code, session["key"], " — " + err if err else ""), final=True)
 
 
-def webhook_request(event, session, delivery_id, secret, timestamp=None):
-    """(body, headers) of a signed webhook: HMAC-SHA256 over `timestamp.body`."""
+def webhook_request(event, session, delivery_id, secret, timestamp=None, context=None):
+    """(body, headers) of a signed webhook: HMAC-SHA256 over `timestamp.body`. The body
+    carries the event and what an agent would be shown of it (`context`)."""
     import hashlib
     import hmac
-    body = dumps_compact({"event": event, "session": {"id": session["id"], "agent": session["agent"],
-                                                      "key": session["key"]}}).encode("utf-8")
+    record = {"event": event, "session": {"id": session["id"], "agent": session["agent"], "key": session["key"]}}
+    if context is not None:
+        record["context"] = context
+    body = dumps_compact(record).encode("utf-8")
     timestamp = timestamp or iso_time()
     signature = hmac.new(secret.encode("utf-8"), timestamp.encode("utf-8") + b"." + body, hashlib.sha256).hexdigest()
     return body, {"content-type": "application/json", "x-pinbox-event": event["type"],
@@ -1611,7 +1653,8 @@ def push_webhook(event, session, pin, delivery_id):
     from urllib.request import Request as HttpRequest, urlopen
     from urllib.error import HTTPError, URLError
     url = os.environ.get("PINBOX_WEBHOOK_URL", "")
-    body, headers = webhook_request(event, session, delivery_id, os.environ.get("PINBOX_WEBHOOK_SECRET", ""))
+    body, headers = webhook_request(event, session, delivery_id, os.environ.get("PINBOX_WEBHOOK_SECRET", ""),
+                                    context=push_text(event, pin))
     try:
         with urlopen(HttpRequest(url, data=body, headers=headers, method="POST"),
                      timeout=ADAPTER_TIMEOUT_S["webhook"]) as answer:
@@ -2126,6 +2169,7 @@ def unread_mail_line(store, session_id):
 JSON_BODY_LIMIT = 1024 * 1024
 ATTACHMENT_LIMIT = 5 * 1024 * 1024
 PAGE_LIMIT = 1000
+MEDIA_NAME = r"att_[a-z0-9]{10}\.[a-z]{3,4}"  # the names the hub gives attachment files
 MEDIA_TYPES = {"image/png": "png", "image/webp": "webp", "image/jpeg": "jpg", "image/gif": "gif",
                "text/plain": "txt"}
 
@@ -2306,10 +2350,29 @@ def r_list_pins(hub, request):
     return Response(200, pins[:limit])
 
 
+def own_attachments(hub, attachments):
+    """The attachments a page names, each with the path the hub gave its file: a path
+    the page sends is never kept, since agents are told to open it."""
+    import re
+    out = []
+    for attachment in attachments or ():
+        attachment = {k: v for k, v in attachment.items() if k != "path"}
+        url = attachment.get("url") or ""
+        name = url[len("/media/"):] if url.startswith("/media/") else ""
+        if re.fullmatch(MEDIA_NAME, name):
+            path = os.path.join(real_folder(os.path.join(hub.directory, "media")), name)
+            if os.path.isfile(path):
+                attachment["path"] = path
+        out.append(attachment)
+    return out
+
+
 def r_create_pin(hub, request):
     fields = validate(request.json(), PIN_INPUT)
     if not fields["text"].strip():
         raise invalid("text: must not be empty")
+    if "attachments" in fields:
+        fields["attachments"] = own_attachments(hub, fields["attachments"])
     fields.setdefault("env", {})
     fields["env"].update(hub.git_stamp())
     with hub.store() as store:
@@ -2331,9 +2394,10 @@ def r_get_thread(hub, request, pin_id):
 
 def r_post_thread(hub, request, pin_id):
     body = validate(request.json(), MESSAGE_INPUT)
+    attachments = own_attachments(hub, body["attachments"]) if "attachments" in body else None
     with hub.store() as store:
         message = add_message(store, pin_id, body["role"], body["text"], origin=body.get("origin"),
-                              attachments=body.get("attachments"),
+                              attachments=attachments,
                               session=hub.caller_session(store, request) if body["role"] == "agent" else None)
     hub.changed()
     return Response(201, message)
@@ -2376,7 +2440,7 @@ def r_attachment(hub, request):
 def r_media(hub, request, name):
     import re
     import stat
-    if not re.fullmatch(r"att_[a-z0-9]{10}\.[a-z]{3,4}", name):
+    if not re.fullmatch(MEDIA_NAME, name):
         raise PinboxError("E_NOT_FOUND", "no such attachment")
     try:
         fd = os.open(os.path.join(real_folder(os.path.join(hub.directory, "media")), name),
