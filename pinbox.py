@@ -1329,6 +1329,50 @@ def delivery_health(conn, overdue_before):
     return {"failed": failed, "lastError": last_error, "overdue": overdue, "waiting": waiting}
 
 
+def pin_progress(conn, pins):
+    """Where each pin stands, for the page: resolved (by whom, with which commit),
+    replied (the agent spoke last), failed (its newest ledger row, with the error),
+    delivered (to which session, when) or waiting (for a session, or for its bound one
+    to pick up news). Returns (states by pin id, the sessions they name by id)."""
+    ids = [pin["id"] for pin in pins]
+    rows, last_words, sessions = {}, {}, {}
+    for start in range(0, len(ids), 500):  # SQLite's bound-parameter limit
+        chunk = ids[start:start + 500]
+        marks = ",".join("?" * len(chunk))
+        for pin_id, status, error, at, adapter, sid in conn.execute(
+                "SELECT pin_id, status, last_error, COALESCE(delivered_at, updated_at), adapter, session_id "
+                "FROM deliveries WHERE id IN (SELECT MAX(id) FROM deliveries WHERE pin_id IN (%s) "
+                "AND status != 'skipped' GROUP BY pin_id)" % marks, chunk):
+            rows[pin_id] = (status, error, at, adapter, sid)
+        for pin_id, raw in conn.execute("SELECT pin_id, json FROM thread_messages WHERE rowid IN (SELECT MAX(rowid) "
+                                        "FROM thread_messages WHERE pin_id IN (%s) GROUP BY pin_id)" % marks, chunk):
+            last_words[pin_id] = json_loads(raw)
+    states = {}
+    for pin in pins:
+        last = last_words.get(pin["id"])
+        status, error, at, adapter, sid = rows.get(pin["id"], (None,) * 5)
+        if pin.get("status") == "resolved":
+            state = dict(pin.get("resolution") or {}, state="resolved")
+        elif last and last.get("role") == "agent":
+            state = {"state": "replied", "at": last.get("at"), "session": last.get("session")}
+        elif status == "failed":
+            state = {"state": "failed", "error": error, "at": at, "session": sid}
+        elif status == "delivered":
+            state = {"state": "delivered", "at": at, "adapter": adapter, "session": sid}
+        else:
+            state = {"state": "waiting", "session": sid}
+        if last:
+            state["lastMessage"] = {"role": last.get("role"), "text": last.get("text", "")[:300], "at": last.get("at"),
+                                    "session": last.get("session")}
+        states[pin["id"]] = ordered(state, ("state",))
+        for ref in (state.get("session"), (last or {}).get("session")):
+            if ref and ref not in sessions:
+                found = conn.execute("SELECT agent, key FROM sessions WHERE id = ?", (ref,)).fetchone()
+                if found:
+                    sessions[ref] = {"agent": found[0], "key": found[1]}
+    return states, sessions
+
+
 # --- What an agent is shown -----------------------------------------------------
 
 CONTEXT_LIMIT = 9000  # Claude Code turns hook output over 10,000 characters into a file
@@ -2555,6 +2599,17 @@ def r_deliveries(hub, request):
     return Response(200, [row for row, _ in rows])
 
 
+def r_progress(hub, request):
+    """GET /progress[?pin=ID]: where the pins stand (pin_progress), for the toolbar,
+    which polls it while a thread or the drawer is open (deliveries make no events)."""
+    wanted = request.query.get("pin")
+    with hub.store() as store:
+        pins = [get_pin(store, wanted)] if wanted else list_pins(store, None, None)
+        with store.guard():
+            states, sessions = pin_progress(store.conn, pins)
+    return Response(200, {"pins": states, "sessions": sessions})
+
+
 def r_open_proxy(hub, request):
     """A page proxy for an app (`pinbox open <url>`): where to open it."""
     upstream = request.json().get("upstream")
@@ -2592,7 +2647,7 @@ ROUTES = (
     ("GET", ("sessions", "*", "pending"), r_pending), ("GET", ("deliveries",), r_deliveries),
     ("POST", ("sessions", "*", "inbox"), r_inbox_post), ("GET", ("sessions", "*", "inbox"), r_inbox_read),
     ("POST", ("sessions", "*", "inbox", "ack"), r_inbox_ack), ("GET", ("agent-inbox", "summary"), r_inbox_summary),
-    ("POST", ("proxies",), r_open_proxy), ("GET", ("demo",), r_demo),
+    ("GET", ("progress",), r_progress), ("POST", ("proxies",), r_open_proxy), ("GET", ("demo",), r_demo),
     ("GET", ("toolbar.js",), r_toolbar), ("GET", (), r_page),
 )
 
@@ -5799,6 +5854,11 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     es: null,
     backoff: 250,      // next stream reconnect delay (ms)
     streamWarned: false,
+    selection: [],     // elements Shift+clicked so far while picking
+    extras: [],        // the composer's elements after the first
+    progress: {},      // pin id -> where it stands (GET /progress)
+    sessions: {},      // session id -> {agent, key}
+    waiting: 0,        // items in the outbox
   };
   const ui = {};       // shadow-root elements
 
@@ -5925,72 +5985,113 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     return svg;
   }
 
+  // Light and dark follow the system (prefers-color-scheme); the accent stays.
   const STYLES = `
     :host { all: initial; }
     * { box-sizing: border-box; }
     [hidden] { display: none !important; }
-    .root { font: 13px/1.4 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #1f2328; }
-    button { font: inherit; cursor: pointer; border-radius: 6px; border: 1px solid #d0d7de; background: #f6f8fa; color: #1f2328; padding: 5px 10px; }
-    button:hover { background: #eef1f4; }
-    button:focus-visible, textarea:focus-visible { outline: 2px solid #7048e8; outline-offset: 1px; }
+    .root { --bg: #fff; --fg: #1f2328; --muted: #57606a; --line: #d0d7de; --soft: #f6f8fa; --soft2: #eef1f4;
+      --accent: #7048e8; --accent2: #5f3dc4; --tint: #f3f0ff; --ok: #2b8a3e; --oktint: #ebfbee; --bad: #c92a2a;
+      font: 13px/1.4 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: var(--fg); }
+    @media (prefers-color-scheme: dark) {
+      .root { --bg: #1c2128; --fg: #e6edf3; --muted: #9da7b3; --line: #3d444d; --soft: #262c36; --soft2: #2f3742;
+        --tint: #2b2540; --oktint: #1b3325; }
+    }
+    button { font: inherit; cursor: pointer; border-radius: 6px; border: 1px solid var(--line); background: var(--soft); color: var(--fg); padding: 5px 10px; }
+    button:hover { background: var(--soft2); }
+    button:focus-visible, textarea:focus-visible, input:focus-visible, a:focus-visible { outline: 3px solid var(--accent); outline-offset: 2px; }
     button:disabled { opacity: .6; cursor: default; }
-    button.primary { background: #7048e8; border-color: #7048e8; color: #fff; }
-    button.primary:hover { background: #5f3dc4; }
-    button.ok { background: #2b8a3e; border-color: #2b8a3e; color: #fff; }
-    button.x { border: 0; background: none; font-size: 16px; line-height: 1; padding: 2px 6px; color: #57606a; }
-    textarea { font: inherit; width: 100%; min-height: 70px; resize: vertical; padding: 7px 8px; border: 1px solid #d0d7de; border-radius: 6px; color: #1f2328; background: #fff; }
+    button.primary { background: var(--accent); border-color: var(--accent); color: #fff; }
+    button.primary:hover { background: var(--accent2); }
+    button.ok { background: var(--ok); border-color: var(--ok); color: #fff; }
+    button.x { border: 0; background: none; font-size: 16px; line-height: 1; padding: 2px 6px; color: var(--muted); }
+    button.small { padding: 2px 8px; font-size: 12px; }
+    textarea, input[type=search] { font: inherit; width: 100%; padding: 7px 8px; border: 1px solid var(--line); border-radius: 6px; color: var(--fg); background: var(--bg); }
+    textarea { min-height: 70px; resize: vertical; }
     .toggle { position: fixed; right: 20px; bottom: 20px; width: 46px; height: 46px; border-radius: 50%; padding: 0;
-      display: flex; align-items: center; justify-content: center; background: #7048e8; border: 2px solid #fff; color: #fff;
-      box-shadow: 0 4px 14px rgba(0,0,0,.28); }
-    .toggle:hover { background: #5f3dc4; }
+      display: flex; align-items: center; justify-content: center; background: var(--accent); border: 2px solid #fff; color: #fff;
+      box-shadow: 0 4px 14px rgba(0,0,0,.28); touch-action: none; }
+    .toggle:hover { background: var(--accent2); }
     .toggle[aria-pressed="true"] { background: #1f2328; }
+    .toggle.mini { width: 30px; height: 30px; cursor: grab; }
+    .toggle.mini svg { width: 14px; height: 14px; }
     .count { position: absolute; top: -4px; right: -4px; min-width: 18px; height: 18px; padding: 0 4px; border-radius: 9px;
-      background: #fff; color: #7048e8; font-size: 11px; font-weight: 700; line-height: 18px; text-align: center; box-shadow: 0 1px 3px rgba(0,0,0,.3); }
-    .overlay { position: fixed; pointer-events: none; border: 2px solid #7048e8; background: rgba(112,72,232,.12); border-radius: 3px; }
+      background: #fff; color: var(--accent); font-size: 11px; font-weight: 700; line-height: 18px; text-align: center; box-shadow: 0 1px 3px rgba(0,0,0,.3); }
+    .overlay { position: fixed; pointer-events: none; border: 2px solid var(--accent); background: rgba(112,72,232,.12); border-radius: 3px; }
     .overlay.chosen { border-style: dashed; background: rgba(112,72,232,.06); }
-    .overlay span { position: absolute; left: -2px; top: -20px; background: #7048e8; color: #fff; font: 11px/18px ui-monospace, Menlo, monospace;
+    .overlay.flash { border-width: 3px; animation: pinbox-flash .4s ease-in-out 4 alternate; }
+    @keyframes pinbox-flash { from { opacity: 1; } to { opacity: .2; } }
+    .overlay span { position: absolute; left: -2px; top: -20px; background: var(--accent); color: #fff; font: 11px/18px ui-monospace, Menlo, monospace;
       padding: 0 5px; border-radius: 3px; white-space: nowrap; max-width: 60vw; overflow: hidden; text-overflow: ellipsis; }
     .hint { position: fixed; top: 12px; left: 50%; transform: translateX(-50%); background: #1f2328; color: #fff; padding: 6px 12px;
       border-radius: 16px; box-shadow: 0 2px 10px rgba(0,0,0,.25); pointer-events: none; }
     .marker { position: fixed; width: 24px; height: 24px; border-radius: 50%; padding: 0; border: 2px solid #fff;
-      background: #7048e8; color: #fff; font-size: 11px; font-weight: 700; line-height: 20px; text-align: center;
+      background: var(--accent); color: #fff; font-size: 11px; font-weight: 700; line-height: 20px; text-align: center;
       box-shadow: 0 2px 6px rgba(0,0,0,.35); }
-    .marker:hover { transform: scale(1.12); background: #5f3dc4; }
+    .marker:hover { transform: scale(1.12); background: var(--accent2); }
     .marker.resolved { background: #2b8a3e; }
     .marker.resolved:hover { background: #237032; }
-    .panel { position: fixed; background: #fff; border: 1px solid #d0d7de; border-radius: 10px; box-shadow: 0 8px 28px rgba(0,0,0,.22);
+    .panel { position: fixed; background: var(--bg); border: 1px solid var(--line); border-radius: 10px; box-shadow: 0 8px 28px rgba(0,0,0,.22);
       display: flex; flex-direction: column; gap: 8px; padding: 10px 12px 12px; }
-    .composer { width: 320px; }
+    .composer { width: 340px; }
     .thread { right: 16px; top: 16px; width: 360px; max-height: calc(100vh - 96px); }
+    .drawer { left: 16px; top: 16px; width: 400px; max-height: calc(100vh - 32px); }
+    .help { right: 16px; bottom: 80px; width: 340px; }
+    .help dl { display: grid; grid-template-columns: auto 1fr; gap: 4px 10px; margin: 0; }
+    .help dd { margin: 0; color: var(--muted); }
+    kbd { font: 11px ui-monospace, Menlo, monospace; border: 1px solid var(--line); border-bottom-width: 2px; border-radius: 4px; padding: 0 4px; background: var(--soft); }
     .head { display: flex; align-items: center; gap: 8px; }
     .head strong { font-size: 14px; }
-    .head .grow { flex: 1; }
-    code { font: 11px ui-monospace, Menlo, monospace; color: #57606a; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; min-width: 0; }
+    .head .grow, .grow { flex: 1; }
+    code { font: 11px ui-monospace, Menlo, monospace; color: var(--muted); overflow: hidden; text-overflow: ellipsis; white-space: nowrap; min-width: 0; }
     .row { display: flex; align-items: center; gap: 8px; flex-wrap: wrap; }
     .actions { display: flex; justify-content: flex-end; gap: 8px; }
-    .attach { position: relative; display: inline-flex; align-items: center; gap: 4px; border: 1px dashed #afb8c1; border-radius: 6px; padding: 4px 9px; color: #57606a; cursor: pointer; }
-    .attach:focus-within { outline: 2px solid #7048e8; }
+    .status-buttons { display: inline-flex; gap: 8px; }
+    .attach { position: relative; display: inline-flex; align-items: center; gap: 4px; border: 1px dashed var(--line); border-radius: 6px; padding: 4px 9px; color: var(--muted); cursor: pointer; }
+    .attach:focus-within { outline: 3px solid var(--accent); }
     .attach input { position: absolute; inset: 0; opacity: 0; width: 100%; cursor: pointer; }
-    .file { color: #57606a; font-size: 12px; }
-    .preview { max-width: 100%; max-height: 120px; border-radius: 6px; border: 1px solid #d0d7de; align-self: flex-start; }
-    .badge { font-size: 11px; font-weight: 600; padding: 1px 8px; border-radius: 10px; background: #f3f0ff; color: #5f3dc4; }
-    .badge.resolved { background: #ebfbee; color: #2b8a3e; }
+    .check { display: inline-flex; align-items: center; gap: 5px; color: var(--muted); cursor: pointer; }
+    .thumb { width: 72px; height: 46px; object-fit: cover; object-position: top left; border-radius: 4px;
+      border: 1px solid var(--line); background: var(--soft); visibility: hidden; }
+    .thumb.ready { visibility: visible; }
+    .file { color: var(--muted); font-size: 12px; }
+    .preview { max-width: 100%; max-height: 120px; border-radius: 6px; border: 1px solid var(--line); align-self: flex-start; }
+    .badge { font-size: 11px; font-weight: 600; padding: 1px 8px; border-radius: 10px; background: var(--tint); color: var(--accent); }
+    .badge.resolved { background: var(--oktint); color: var(--ok); }
     .meta { display: flex; flex-direction: column; gap: 4px; min-width: 0; }
     .meta code { display: block; }
+    .progress { font-size: 12px; padding: 4px 8px; border-radius: 6px; background: var(--soft); color: var(--muted); }
+    .progress[data-state="failed"] { color: var(--bad); }
+    .progress[data-state="resolved"] { color: var(--ok); }
     .pintext { white-space: pre-wrap; word-wrap: break-word; font-size: 14px; }
-    .note { font-size: 12px; color: #57606a; }
+    .note { font-size: 12px; color: var(--muted); }
     .messages { overflow-y: auto; display: flex; flex-direction: column; gap: 6px; min-height: 0; flex: 1; }
-    .msg { border-radius: 8px; padding: 6px 9px; background: #f6f8fa; }
-    .msg.human { background: #f3f0ff; }
-    .msg .who { font-size: 11px; color: #57606a; font-weight: 600; text-transform: capitalize; }
+    .msg { border-radius: 8px; padding: 6px 9px; background: var(--soft); }
+    .msg.human { background: var(--tint); }
+    .msg .who { font-size: 11px; color: var(--muted); font-weight: 600; }
     .msg .text { white-space: pre-wrap; word-wrap: break-word; }
     .msg img, .shots img { max-width: 100%; max-height: 160px; border-radius: 6px; margin-top: 4px; display: block; }
-    .empty { color: #8c959f; font-style: italic; }
+    .tabs { display: flex; gap: 6px; }
+    .tab[aria-selected="true"] { background: var(--accent); border-color: var(--accent); color: #fff; }
+    .drawer-list { overflow-y: auto; min-height: 0; flex: 1; display: flex; flex-direction: column; gap: 10px; }
+    .group-head { font-size: 11px; font-weight: 700; color: var(--muted); text-transform: uppercase; letter-spacing: .03em;
+      overflow: hidden; text-overflow: ellipsis; white-space: nowrap; margin-bottom: 4px; }
+    .item { display: flex; gap: 6px; align-items: flex-start; border-top: 1px solid var(--line); padding-top: 6px; }
+    .item-open { flex: 1; display: flex; gap: 8px; align-items: flex-start; text-align: left; background: none; border: 0; padding: 2px;
+      color: inherit; text-decoration: none; min-width: 0; border-radius: 6px; }
+    .item-open:hover { background: var(--soft); }
+    .item-open .n { font-weight: 700; color: var(--accent); }
+    .item-main { flex: 1; min-width: 0; display: flex; flex-direction: column; gap: 2px; }
+    .item-open img { width: 64px; height: 42px; object-fit: cover; border-radius: 4px; border: 1px solid var(--line); }
+    .offline { position: fixed; right: 76px; bottom: 30px; background: var(--bad); color: #fff; padding: 4px 10px; border-radius: 12px; font-size: 12px; }
+    .offscreen { position: fixed; left: -9999px; top: 0; width: 1px; height: 1px; }
+    .empty { color: var(--muted); font-style: italic; }
     .toasts { position: fixed; left: 50%; bottom: 20px; transform: translateX(-50%); display: flex; flex-direction: column; gap: 6px; align-items: center; }
     .toast { background: #1f2328; color: #fff; padding: 8px 14px; border-radius: 8px; box-shadow: 0 4px 14px rgba(0,0,0,.25); max-width: 480px; }
-    .toast.error { background: #c92a2a; }
+    .toast.error { background: var(--bad); }
     .toast small { display: block; opacity: .85; }
   `;
+
 
   function mount() {
     const host = document.createElement('div');
@@ -6004,14 +6105,16 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     ui.host = host;
     ui.root = root;
     ui.overlay = h('div', { class: 'overlay', hidden: true }, h('span'));
-    ui.hint = h('div', { class: 'hint', hidden: true, role: 'status' }, 'Click an element to pin it ' + DOT + ' Esc to cancel');
+    ui.hint = h('div', { class: 'hint', hidden: true, role: 'status' }, 'Click an element to pin it ' + DOT + ' Shift+click adds more ' + DOT + ' Tab/Enter without a mouse ' + DOT + ' Esc to cancel');
+    ui.selection = h('div', { class: 'selection' });
     ui.markers = h('div', { class: 'markers' });
     ui.count = h('span', { class: 'count', hidden: true });
     ui.toggle = h('button', { class: 'toggle', type: 'button', 'data-pinbox': 'toggle', 'aria-label': 'Drop a pin (P)',
-      'aria-pressed': 'false', title: 'Drop a pin (P)', onclick: () => (state.picking ? stopPicking() : startPicking()) },
-    pinIcon(), ui.count);
+      'aria-pressed': 'false', title: 'Drop a pin (P) ' + DOT + ' all pins (I) ' + DOT + ' keys (?)', onclick: onToggle,
+      onpointerdown: dragDock }, pinIcon(), ui.count);
+    ui.offline = h('div', { class: 'offline', 'data-pinbox': 'offline', role: 'status', hidden: true });
     ui.toasts = h('div', { class: 'toasts', 'aria-live': 'polite' });
-    ui.layer = h('div', { class: 'root' }, ui.overlay, ui.markers, ui.hint, ui.toggle, ui.toasts);
+    ui.layer = h('div', { class: 'root' }, ui.overlay, ui.selection, ui.markers, ui.hint, ui.toggle, ui.offline, ui.toasts);
     // A constructed sheet is not blocked by a page CSP without 'unsafe-inline'.
     try {
       const sheet = new CSSStyleSheet();
@@ -6047,10 +6150,14 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   // ---------------------------------------------------------------- picking
 
   const BLOCKED = ['pointerdown', 'pointerup', 'mousedown', 'mouseup', 'click', 'dblclick', 'auxclick'];
+  // What the keyboard steps through while picking: what a person would point at.
+  const PICKABLE = 'a[href],button,input,select,textarea,summary,[tabindex],[role=button],h1,h2,h3,h4,h5,h6,p,li,img,label,td,th,figure,video,canvas';
 
   function startPicking() {
     closeComposer();
+    closeHelp();
     state.picking = true;
+    state.selection = [];
     ui.toggle.setAttribute('aria-pressed', 'true');
     ui.hint.hidden = false;
     window.addEventListener('mousemove', onHover, true);
@@ -6060,6 +6167,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   function stopPicking() {
     state.picking = false;
     state.hover = null;
+    state.selection = [];
     ui.toggle.setAttribute('aria-pressed', 'false');
     ui.hint.hidden = true;
     window.removeEventListener('mousemove', onHover, true);
@@ -6072,16 +6180,62 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     placeOverlay(state.hover, false);
   });
 
+  // Shift adds an element and keeps picking; a plain pick ends it with the composer.
+  function pick(el, more) {
+    const at = state.selection.indexOf(el);
+    if (more) {
+      if (at >= 0) state.selection.splice(at, 1); else state.selection.push(el);
+      positionAll();
+      return;
+    }
+    const elements = state.selection.slice();
+    if (at < 0) elements.push(el);
+    stopPicking();
+    openComposer(elements);
+  }
+
   // Capture phase on window: runs before the page's handlers, which never see the click.
   const onPickEvent = guard((e) => {
     if (inOurUi(e)) return;
     e.preventDefault();
     e.stopImmediatePropagation();
     if (e.type !== 'click' || !(e.target instanceof Element)) return;
-    const el = e.target;
-    stopPicking();
-    openComposer(el);
+    pick(e.target, e.shiftKey);
   });
+
+  function visible(el) {
+    if (!el.getClientRects().length || el.closest('#pinbox-toolbar-host')) return false;
+    const r = el.getBoundingClientRect();
+    return r.width > 0 && r.height > 0;
+  }
+
+  // Picking without a mouse: Tab and Shift+Tab step through the page, arrows go to the
+  // parent or first child, Enter picks (Shift+Enter adds).
+  function pickKey(e) {
+    const here = state.hover && state.hover.isConnected ? state.hover : null;
+    let next = null;
+    if (e.key === 'Tab') {
+      const all = Array.from(document.querySelectorAll(PICKABLE)).filter(visible);
+      if (!all.length) return true;
+      const i = here ? all.indexOf(here) : -1;
+      next = e.shiftKey ? all[(i <= 0 ? all.length : i) - 1] : all[(i + 1) % all.length];
+    } else if (e.key === 'ArrowUp' && here && here.parentElement && here.parentElement !== document.documentElement) {
+      next = here.parentElement;
+    } else if (e.key === 'ArrowDown' && here) {
+      next = Array.from(here.children).find(visible) || here;
+    } else if (e.key === 'Enter' && here) {
+      pick(here, e.shiftKey);
+      return true;
+    } else {
+      return false;
+    }
+    if (next) {
+      state.hover = next;
+      next.scrollIntoView({ block: 'nearest' });
+      placeOverlay(next, false);
+    }
+    return true;
+  }
 
   // ------------------------------------------------------ describing a target
 
@@ -6147,6 +6301,13 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     };
   }
 
+  // The first element is the pin's target; the others ride along in target.targets.
+  function describeAll(elements) {
+    const target = describe(elements[0]);
+    if (elements.length > 1) target.targets = elements.slice(1).map(describe).map((t) => { delete t.url; return t; });
+    return target;
+  }
+
   function environment() {
     const ua = navigator.userAgent;
     const pick = (re) => { const m = ua.match(re); return m ? m[1] : null; };
@@ -6160,13 +6321,196 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     return { viewport: { w: innerWidth, h: innerHeight, dpr: devicePixelRatio }, browser, os, colorScheme: dark ? 'dark' : 'light' };
   }
 
+  // ----------------------------------------------------------------- capture
+
+  // What the person saw, with no permission prompt: the page's own DOM and styles drawn
+  // through an SVG foreignObject into a canvas. An image the page itself could not read
+  // back (cross-origin without CORS) would taint the canvas and fail the export, so it is
+  // drawn blank instead.
+  const BLANK = 'data:image/gif;base64,R0lGODlhAQABAIAAAAAAAP///yH5BAEAAAAALAAAAAABAAEAAAIBRAA7';
+
+  function sheetRules(sheet, out) {
+    let rules;
+    try { rules = sheet.cssRules; } catch (err) { return; }  // a cross-origin sheet: unreadable
+    for (const rule of rules) {
+      if (rule.styleSheet) sheetRules(rule.styleSheet, out);  // @import: its rules, not a fetch
+      else out.push(rule.cssText);
+    }
+  }
+
+  // Every rule in force, in cascade order: <link>ed sheets cannot load inside an SVG image,
+  // and rules added through the CSSOM are not in any <style>'s text.
+  function pageStyles() {
+    const out = [];
+    for (const sheet of Array.from(document.styleSheets).concat(Array.from(document.adoptedStyleSheets || []))) {
+      sheetRules(sheet, out);
+    }
+    return out.join('\n');
+  }
+
+  function pictureOf(source, width, height) {
+    try {
+      const c = document.createElement('canvas');
+      c.width = Math.max(1, Math.round(width));
+      c.height = Math.max(1, Math.round(height));
+      c.getContext('2d').drawImage(source, 0, 0, c.width, c.height);
+      return c.toDataURL();  // throws on a tainted canvas
+    } catch (err) { return null; }
+  }
+
+  // The page as SVG markup: a copy of the DOM with pictures inlined, form values written
+  // into attributes, fixed elements pinned where they are on screen, and our toolbar left out.
+  function snapshotSvg(scale) {
+    const root = document.documentElement;
+    const copy = root.cloneNode(true);
+    const originals = root.querySelectorAll('*');
+    const copies = copy.querySelectorAll('*');  // same order: cloneNode keeps the tree as it is
+    for (let i = 0; i < originals.length; i++) {
+      const el = originals[i];
+      const twin = copies[i];
+      const tag = el.localName;
+      if (tag === 'img' || tag === 'canvas' || tag === 'video') {
+        const r = el.getBoundingClientRect();
+        const src = (tag === 'img' && !(el.complete && el.naturalWidth)) ? null
+          : pictureOf(el, Math.min(r.width * scale, el.naturalWidth || el.width || el.videoWidth || r.width * scale),
+            Math.min(r.height * scale, el.naturalHeight || el.height || el.videoHeight || r.height * scale));
+        const img = tag === 'img' ? twin : document.createElement('img');
+        img.setAttribute('src', src || BLANK);
+        img.removeAttribute('srcset');
+        if (!src || tag !== 'img') img.style.cssText += ';width:' + r.width + 'px;height:' + r.height + 'px';
+        if (tag !== 'img') { img.className = el.className; twin.replaceWith(img); }
+      } else if (tag === 'input') {
+        if (el.type === 'checkbox' || el.type === 'radio') { if (el.checked) twin.setAttribute('checked', ''); else twin.removeAttribute('checked'); } else twin.setAttribute('value', el.value);
+      } else if (tag === 'textarea') {
+        twin.textContent = el.value;
+      } else if (tag === 'option') {
+        if (el.selected) twin.setAttribute('selected', ''); else twin.removeAttribute('selected');
+      } else if (tag === 'script' || tag === 'style') {
+        twin.textContent = '';  // styles come back below, all of them, once
+      }
+      if (getComputedStyle(el).position === 'fixed') {
+        const r = el.getBoundingClientRect();
+        twin.style.cssText += ';position:absolute;left:' + (r.left + scrollX) + 'px;top:' + (r.top + scrollY) +
+          'px;right:auto;bottom:auto;width:' + r.width + 'px;height:' + r.height + 'px;margin:0;box-sizing:border-box';
+      }
+    }
+    const ours = copy.querySelector('#pinbox-toolbar-host');
+    if (ours) ours.remove();
+    const style = document.createElementNS('http://www.w3.org/1999/xhtml', 'style');
+    style.textContent = pageStyles();
+    (copy.querySelector('head') || copy).prepend(style);
+    const width = root.clientWidth || innerWidth;
+    const height = Math.max(root.scrollHeight, innerHeight);
+    return '<svg xmlns="http://www.w3.org/2000/svg" width="' + innerWidth + '" height="' + innerHeight +
+      '" viewBox="' + scrollX + ' ' + scrollY + ' ' + innerWidth + ' ' + innerHeight + '"><foreignObject x="0" y="0" width="' +
+      width + '" height="' + height + '">' + new XMLSerializer().serializeToString(copy) + '</foreignObject></svg>';
+  }
+
+  function loadImage(src) {
+    return new Promise((resolve, reject) => {
+      const img = new Image();
+      img.onload = () => resolve(img);
+      img.onerror = () => reject(new Error('the page could not be drawn'));
+      img.src = src;
+    });
+  }
+
+  // Encoded at once, on this thread: Chromium runs toBlob and convertToBlob in idle time,
+  // which a page with a focused text box may not give it for half a second.
+  function pngOf(canvas) {
+    const data = atob(canvas.toDataURL('image/png').split(',')[1]);
+    const bytes = new Uint8Array(data.length);
+    for (let i = 0; i < data.length; i++) bytes[i] = data.charCodeAt(i);
+    return new Blob([bytes], { type: 'image/png' });
+  }
+
+  function backgroundOf() {
+    for (const el of [document.body, document.documentElement]) {
+      const c = el && getComputedStyle(el).backgroundColor;
+      if (c && c !== 'transparent' && c !== 'rgba(0, 0, 0, 0)') return c;
+    }
+    return '#fff';
+  }
+
+  // Two PNGs: the viewport with the picked elements outlined (numbered when several), and
+  // the first element alone, cut from the same picture before any outline was drawn.
+  async function capture(elements, frame) {
+    const scale = frame ? frame.width / innerWidth : Math.min(devicePixelRatio || 1, 2);
+    const canvas = document.createElement('canvas');
+    canvas.width = Math.round(innerWidth * scale);
+    canvas.height = Math.round(innerHeight * scale);
+    const ctx = canvas.getContext('2d');
+    if (frame) {
+      ctx.drawImage(frame, 0, 0, canvas.width, canvas.height);
+    } else {
+      const svg = snapshotSvg(scale);
+      const picture = await loadImage('data:image/svg+xml;charset=utf-8,' + encodeURIComponent(svg));
+      ctx.fillStyle = backgroundOf();
+      ctx.fillRect(0, 0, canvas.width, canvas.height);
+      ctx.drawImage(picture, 0, 0, canvas.width, canvas.height);
+    }
+    const rects = elements.map((el) => el.getBoundingClientRect());
+    const shots = [];
+    const r = rects[0];
+    const x0 = Math.max(0, r.left), y0 = Math.max(0, r.top);
+    const x1 = Math.min(innerWidth, r.right), y1 = Math.min(innerHeight, r.bottom);
+    let crop = null;
+    if (x1 - x0 >= 1 && y1 - y0 >= 1) {
+      crop = document.createElement('canvas');
+      crop.width = Math.round((x1 - x0) * scale);
+      crop.height = Math.round((y1 - y0) * scale);
+      crop.getContext('2d').drawImage(canvas, x0 * scale, y0 * scale, crop.width, crop.height, 0, 0, crop.width, crop.height);
+    }
+    ctx.lineWidth = 3 * scale;
+    ctx.strokeStyle = '#7048e8';
+    ctx.font = 'bold ' + 12 * scale + 'px system-ui, sans-serif';
+    rects.forEach((b, i) => {
+      ctx.strokeRect((b.left - 2) * scale, (b.top - 2) * scale, (b.width + 4) * scale, (b.height + 4) * scale);
+      if (rects.length < 2) return;
+      ctx.fillStyle = '#7048e8';
+      ctx.fillRect((b.left - 2) * scale, (b.top - 20) * scale, 18 * scale, 18 * scale);
+      ctx.fillStyle = '#fff';
+      ctx.fillText(String(i + 1), (b.left + 3) * scale, (b.top - 6) * scale);
+    });
+    shots.push({ blob: pngOf(canvas), width: canvas.width, height: canvas.height });
+    if (crop) shots.push({ blob: pngOf(crop), width: crop.width, height: crop.height });
+    return shots;
+  }
+
+  // A real tab capture, for what the DOM copy cannot draw (canvas games, video, iframes):
+  // the browser asks once per page load, and the stream is kept for later pins.
+  async function tabFrame() {
+    if (!state.tabStream || !state.tabStream.active) {
+      state.tabStream = await navigator.mediaDevices.getDisplayMedia({ video: true, audio: false, preferCurrentTab: true });
+    }
+    const video = document.createElement('video');
+    video.muted = true;
+    video.srcObject = state.tabStream;
+    await video.play();
+    ui.layer.style.visibility = 'hidden';  // the picture is of the page, not of our panels
+    try {
+      await new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve)));
+      await new Promise((resolve) => setTimeout(resolve, 120));
+      const c = document.createElement('canvas');
+      c.width = video.videoWidth;
+      c.height = video.videoHeight;
+      c.getContext('2d').drawImage(video, 0, 0);
+      return c;
+    } finally {
+      ui.layer.style.visibility = '';
+      video.srcObject = null;
+    }
+  }
+
   // ---------------------------------------------------------------- composer
 
-  function openComposer(el) {
+  function openComposer(elements) {
     closeComposer();
     closeThread();
-    state.picked = el;
-    state.pickedTarget = describe(el);
+    state.picked = elements[0];
+    state.extras = elements.slice(1);
+    state.pickedTarget = describeAll(elements);
+    state.shots = startCapture(elements);
     const comment = h('textarea', { 'data-pinbox': 'comment', 'aria-label': 'Comment', placeholder: 'What should change here? (paste an image to attach)',
       onkeydown: (e) => { if (e.key === 'Enter' && (e.ctrlKey || e.metaKey)) { e.preventDefault(); submit(); } },
       onpaste: (e) => {
@@ -6177,18 +6521,52 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       onchange: (e) => setFile(e.target.files && e.target.files[0]) });
     ui.fileName = h('span', { class: 'file' });
     ui.preview = h('img', { class: 'preview', alt: 'attached image', hidden: true });
+    // The thumbnail keeps its place while the picture is drawn: nothing moves under the cursor.
+    ui.shot = h('img', { class: 'thumb', alt: 'screenshot of the page' });
+    ui.captureBox = h('input', { type: 'checkbox', checked: true, 'data-pinbox': 'capture',
+      onchange: () => ui.shot.classList.toggle('ready', ui.captureBox.checked && !!ui.shot.src) });
+    const canTab = !!(navigator.mediaDevices && navigator.mediaDevices.getDisplayMedia);
     ui.submit = h('button', { type: 'button', class: 'primary', 'data-pinbox': 'submit', onclick: submit }, 'Pin it');
     ui.comment = comment;
-    ui.composer = h('div', { class: 'panel composer', 'data-pinbox': 'composer', role: 'dialog', 'aria-label': 'New pin' },
-      h('div', { class: 'head' }, h('strong', null, 'New pin'), h('code', { class: 'grow', title: state.pickedTarget.selector }, state.pickedTarget.selector),
+    const where = state.pickedTarget.selector + (state.extras.length ? ' (+' + state.extras.length + ')' : '');
+    ui.composer = h('div', { class: 'panel composer', 'data-pinbox': 'composer', role: 'dialog', 'aria-modal': 'true', 'aria-label': 'New pin' },
+      h('div', { class: 'head' }, h('strong', null, 'New pin'), h('code', { class: 'grow', title: where }, where),
         h('button', { type: 'button', class: 'x', 'aria-label': 'Cancel', onclick: closeComposer }, TIMES)),
       comment,
+      h('div', { class: 'row' }, h('label', { class: 'check' }, ui.captureBox, 'Screenshot'), ui.shot,
+        canTab ? h('button', { type: 'button', class: 'small', 'data-pinbox': 'tab-capture', onclick: useTabCapture,
+          title: 'Capture the tab as the browser shows it (asks once)' }, 'Tab capture') : null),
       h('div', { class: 'row' }, h('label', { class: 'attach' }, '+ Image', attach), ui.fileName),
       ui.preview,
       h('div', { class: 'actions' }, h('button', { type: 'button', onclick: closeComposer }, 'Cancel'), ui.submit));
     ui.layer.append(ui.composer);
     positionAll();
     comment.focus();
+  }
+
+  // Starts drawing the page as it is now, while the person types; never rejects (a
+  // failure is the result, reported when the pin is saved).
+  function startCapture(elements, frame) {
+    const shots = capture(elements, frame).catch((err) => ({ failed: err }));
+    shots.then((got) => {
+      if (state.shots !== shots || !ui.shot || got.failed) return;
+      if (ui.shot.src) URL.revokeObjectURL(ui.shot.src);
+      ui.shot.src = URL.createObjectURL(got[0].blob);
+      ui.shot.classList.toggle('ready', ui.captureBox.checked);
+    });
+    return shots;
+  }
+
+  async function useTabCapture() {
+    const elements = [state.picked].concat(state.extras || []);
+    try {
+      const frame = await tabFrame();
+      if (!ui.composer) return;
+      state.shots = startCapture(elements, frame);
+      ui.captureBox.checked = true;
+    } catch (err) {
+      toast('Tab capture was not allowed; the page copy is used', 'error');
+    }
   }
 
   function setFile(file) {
@@ -6203,12 +6581,29 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
 
   function closeComposer() {
     if (!ui.composer) return;
-    if (ui.preview && ui.preview.src) URL.revokeObjectURL(ui.preview.src);
+    for (const img of [ui.preview, ui.shot]) if (img && img.src) URL.revokeObjectURL(img.src);
     ui.composer.remove();
     ui.composer = null;
     state.picked = null;
+    state.extras = [];
+    state.shots = null;
     state.file = null;
     positionAll();
+  }
+
+  async function upload(blob, type) {
+    const up = await api('POST', '/attachments?kind=screenshot', blob, type || blob.type || 'application/octet-stream');
+    return up && up.attachment ? up.attachment : up;
+  }
+
+  // Uploads the pictures (at once), then makes the pin with them.
+  async function sendPin(fields, shots) {
+    const body = Object.assign({}, fields);
+    const attachments = await Promise.all((shots || []).map((shot) => upload(shot.blob)
+      .then((a) => (shot.width ? Object.assign(a, { width: shot.width, height: shot.height }) : a))));
+    if (attachments.length) body.attachments = attachments;
+    const data = await api('POST', '/pins', body);
+    return data && data.pin ? data.pin : data;
   }
 
   async function submit() {
@@ -6217,19 +6612,31 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     if (!text) { toast('Write a comment first', 'error'); ui.comment.focus(); return; }
     ui.submit.disabled = true;
     try {
-      // Re-describe if the element is still there (it may have moved since the pick).
-      const target = state.picked && state.picked.isConnected ? describe(state.picked) : state.pickedTarget;
+      // Re-describe if the elements are still there (they may have moved since the pick).
+      const elements = [state.picked].concat(state.extras || []);
+      const target = elements.every((el) => el && el.isConnected) ? describeAll(elements) : state.pickedTarget;
       const body = { text, kind: 'note', target, env: environment(), author: { userId: consumerId() } };
-      if (state.file) {
-        const type = state.file.type || 'application/octet-stream';
-        const up = await api('POST', '/attachments?kind=screenshot', state.file, type);
-        body.attachments = [up && up.attachment ? up.attachment : up];
+      let shots = [];
+      let missed = null;
+      if (ui.captureBox.checked && state.shots) {
+        const got = await state.shots;
+        if (got.failed) missed = got.failed; else shots = got.slice();
       }
-      const data = await api('POST', '/pins', body);
-      const pin = data && data.pin ? data.pin : data;
+      if (state.file) shots.push({ blob: state.file });
+      let pin;
+      try {
+        pin = await sendPin(body, shots);
+      } catch (err) {
+        if (err.code !== 'E_HUB_UNREACHABLE') throw err;
+        await keep({ kind: 'pin', body, shots });
+        closeComposer();
+        toast('The hub is not answering: the pin is kept in this browser and sent when it is back', 'error');
+        return;
+      }
       if (pin && pin.id) upsert(pin);
       closeComposer();
-      toast('Pin #' + ((pin && pin.n) || '?') + ' saved');
+      if (missed) toast('Pin #' + ((pin && pin.n) || '?') + ' saved without a screenshot', 'error', String(missed.message || missed));
+      else toast('Pin #' + ((pin && pin.n) || '?') + ' saved');
     } catch (err) {
       report(err);
     } finally {
@@ -6239,76 +6646,114 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
 
   // ----------------------------------------------------------------- markers
 
-  function onThisPage(pin) {
+  function samePage(url) {
     try {
-      const u = new URL(pin.target && pin.target.url, location.href);
+      const u = new URL(url, location.href);
       return u.origin === location.origin && u.pathname === location.pathname;
     } catch (err) { return false; }
   }
+  const onThisPage = (pin) => samePage(pin.target && pin.target.url);
 
   function upsert(pin) {
     if (!pin || !pin.id) return;
     state.pins.set(pin.id, pin);
     renderMarkers();
     if (state.threadId === pin.id) renderThreadMeta();
+    if (ui.drawer) renderDrawer();
+    refreshProgress(pin.id);
   }
 
-  // One <button> per pin on this page, kept across renders so focus survives updates.
+  // A pin's targets: the first, then the others of a several-element pin.
+  function targetsOf(pin) {
+    const t = pin.target || {};
+    return [t].concat(Array.isArray(t.targets) ? t.targets : []);
+  }
+
+  // One <button> per target of each pin on this page, kept across renders so focus
+  // survives updates.
   function renderMarkers() {
     const seen = new Set();
     let open = 0;
     for (const pin of state.pins.values()) {
       if (!onThisPage(pin)) continue;
-      seen.add(pin.id);
       const resolved = pin.status === 'resolved';
       if (!resolved) open++;
-      let m = ui.markers.querySelector('[data-pin-id="' + CSS.escape(pin.id) + '"]');
-      if (!m) {
-        m = h('button', { type: 'button', class: 'marker', 'data-pinbox': 'marker', 'data-pin-id': pin.id,
-          onclick: () => openThread(pin.id) });
-        ui.markers.append(m);
-      }
-      m.textContent = pin.n != null ? String(pin.n) : '?';
-      m.classList.toggle('resolved', resolved);
-      m.setAttribute('data-status', resolved ? 'resolved' : 'open');
       const label = 'Pin ' + (pin.n || '') + ' (' + (resolved ? 'resolved' : 'open') + '): ' + collapse(pin.text).slice(0, 80);
-      m.setAttribute('aria-label', label);
-      m.title = label;
+      targetsOf(pin).forEach((t, part) => {
+        const key = pin.id + '/' + part;
+        seen.add(key);
+        let m = ui.markers.querySelector('[data-key="' + CSS.escape(key) + '"]');
+        if (!m) {
+          m = h('button', { type: 'button', class: 'marker', 'data-pinbox': 'marker', 'data-pin-id': pin.id, 'data-key': key,
+            'data-part': part, onclick: () => openThread(pin.id) });
+          ui.markers.append(m);
+        }
+        m.textContent = pin.n != null ? String(pin.n) : '?';
+        m.classList.toggle('resolved', resolved);
+        m.setAttribute('data-status', resolved ? 'resolved' : 'open');
+        m.setAttribute('aria-label', label);
+        m.title = label;
+      });
     }
-    for (const m of Array.from(ui.markers.children)) if (!seen.has(m.getAttribute('data-pin-id'))) m.remove();
+    for (const m of Array.from(ui.markers.children)) if (!seen.has(m.getAttribute('data-key'))) m.remove();
     ui.count.textContent = String(open);
     ui.count.hidden = open === 0;
+    ui.toggle.setAttribute('aria-label', (state.minimized ? 'Show pinbox' : 'Drop a pin (P)') + (open ? ', ' + open + ' open' : ''));
     positionAll();
   }
 
-  // Viewport rect of a pin's element; the stored document rect when it is gone.
-  function pinRect(pin) {
-    const t = pin.target || {};
-    let el = null;
-    try { el = t.selector ? document.querySelector(t.selector) : null; } catch (err) { el = null; }
-    if (el && el.getClientRects().length) return el.getBoundingClientRect();
+  // Viewport rect of a target's element. A target whose element is gone has no marker;
+  // one named only by where it was (no selector) keeps its stored document rect.
+  function targetRect(t) {
+    if (t.selector) {
+      let el = null;
+      try { el = document.querySelector(t.selector); } catch (err) { el = null; }
+      return el && el.getClientRects().length ? el.getBoundingClientRect() : null;
+    }
     const r = t.rect;
     if (!r) return null;
     return { left: r.x - scrollX, top: r.y - scrollY, right: r.x + r.width - scrollX, bottom: r.y + r.height - scrollY, width: r.width, height: r.height };
   }
 
-  function placeOverlay(el, chosen) {
-    if (!el || !el.isConnected) { ui.overlay.hidden = true; return; }
+  function elementName(el) {
+    return el.tagName.toLowerCase() + (el.id ? '#' + el.id : '') + (el.classList.length ? '.' + Array.from(el.classList).join('.') : '');
+  }
+
+  function placeBox(box, el, chosen) {
+    if (!el || !el.isConnected) { box.hidden = true; return; }
     const r = el.getBoundingClientRect();
-    Object.assign(ui.overlay.style, { left: r.left + 'px', top: r.top + 'px', width: r.width + 'px', height: r.height + 'px' });
-    ui.overlay.classList.toggle('chosen', !!chosen);
-    ui.overlay.firstChild.textContent = el.tagName.toLowerCase() + (el.id ? '#' + el.id : '') + (el.classList.length ? '.' + Array.from(el.classList).join('.') : '');
-    ui.overlay.hidden = false;
+    Object.assign(box.style, { left: r.left + 'px', top: r.top + 'px', width: r.width + 'px', height: r.height + 'px' });
+    box.classList.toggle('chosen', !!chosen);
+    box.hidden = false;
+  }
+
+  function placeOverlay(el, chosen) {
+    placeBox(ui.overlay, el, chosen);
+    if (el && el.isConnected) ui.overlay.firstChild.textContent = elementName(el);
+  }
+
+  // Numbered outlines for the elements of a pin being made (Shift+click adds one).
+  function placeSelection() {
+    const chosen = state.picking ? state.selection : (state.picked ? [state.picked].concat(state.extras || []) : []);
+    const several = chosen.length > 1 || state.picking;
+    while (ui.selection.children.length < chosen.length) ui.selection.append(h('div', { class: 'overlay chosen', 'data-pinbox': 'selected' }, h('span')));
+    Array.from(ui.selection.children).forEach((box, i) => {
+      if (i >= chosen.length || (!state.picking && !several)) { box.remove(); return; }
+      placeBox(box, chosen[i], true);
+      box.firstChild.textContent = (i + 1) + ' ' + DOT + ' ' + elementName(chosen[i]);
+    });
   }
 
   function positionAll() {
     if (!ui.layer) return;
     placeOverlay(state.picking ? state.hover : state.picked, !state.picking);
+    placeSelection();
     // Markers sit on the element's top-right corner; pins on the same spot fan out leftwards.
     const used = new Map();
     for (const m of ui.markers.children) {
       const pin = state.pins.get(m.getAttribute('data-pin-id'));
-      const r = pin && pinRect(pin);
+      const t = pin && targetsOf(pin)[Number(m.getAttribute('data-part'))];
+      const r = t && targetRect(t);
       if (!r || r.bottom < -12 || r.top > innerHeight + 12) { m.hidden = true; continue; }
       const key = Math.round(r.right) + ',' + Math.round(r.top);
       const nth = used.get(key) || 0;
@@ -6340,6 +6785,61 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     requestAnimationFrame(() => { framePending = false; guard(positionAll)(); });
   }
 
+  // Scrolls a pin's element into view and flashes an outline on it.
+  function flash(pin) {
+    const t = (pin.target || {});
+    let el = null;
+    try { el = t.selector ? document.querySelector(t.selector) : null; } catch (err) { el = null; }
+    if (!el) { toast('Its element is not on this page any more', 'error'); return; }
+    el.scrollIntoView({ block: 'center', behavior: 'instant' });
+    const box = h('div', { class: 'overlay flash', 'data-pinbox': 'flash' }, h('span', null, 'Pin #' + pin.n));
+    ui.layer.append(box);
+    placeBox(box, el, false);
+    setTimeout(() => box.remove(), 1600);
+  }
+
+  // -------------------------------------------------------------- progress
+
+  // Where a pin stands, from the hub's ledger: polled while a thread or the drawer is
+  // open (a delivery makes no event), and after every event.
+  function refreshProgress(id) {
+    const path = '/progress' + (id ? '?pin=' + encodeURIComponent(id) : '');
+    return api('GET', path).then((data) => {
+      Object.assign(state.progress, data.pins || {});
+      Object.assign(state.sessions, data.sessions || {});
+      if (state.threadId && (!id || id === state.threadId)) renderProgress();
+      if (ui.drawer) renderDrawer();
+    }, () => { /* the stream or the next poll will tell */ });
+  }
+
+  function sessionName(ref) {
+    const s = ref && state.sessions[ref];
+    return s ? s.agent + ' (' + String(s.key).slice(0, 8) + ')' : 'an agent';
+  }
+
+  const clock = (at) => { const d = at ? new Date(at) : null; return d && !isNaN(d) ? d.toLocaleTimeString() : ''; };
+
+  function progressText(pin) {
+    const p = state.progress[pin.id];
+    if (!p) return '';
+    if (p.state === 'resolved') {
+      return 'Resolved ' + (p.commit ? 'by commit ' + String(p.commit).slice(0, 7) + ' ' : '') + '(by ' + (p.by || '?') + ')' +
+        (p.note ? ': ' + p.note : '');
+    }
+    if (p.state === 'replied') return sessionName(p.session) + ' replied at ' + clock(p.at);
+    if (p.state === 'failed') return 'Delivery failed (' + (p.error || 'unknown error') + ')';
+    if (p.state === 'delivered') return 'Delivered to ' + sessionName(p.session) + ' at ' + clock(p.at);
+    return p.session ? 'Waiting for ' + sessionName(p.session) + ' to pick it up' : 'Waiting for an agent session';
+  }
+
+  function renderProgress() {
+    const pin = state.pins.get(state.threadId);
+    if (!ui.progress || !pin) return;
+    const p = state.progress[pin.id];
+    ui.progress.textContent = progressText(pin);
+    ui.progress.setAttribute('data-state', p ? p.state : '');
+  }
+
   // ------------------------------------------------------------ thread panel
 
   function openThread(id) {
@@ -6351,20 +6851,23 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     state.threadId = id;
     state.messages = [];
     ui.meta = h('div', { class: 'meta' });
+    ui.progress = h('div', { class: 'progress', 'data-pinbox': 'progress', role: 'status' });
     ui.list = h('div', { class: 'messages', 'aria-label': 'Thread', role: 'log' }, h('div', { class: 'empty' }, 'Loading...'));
-    ui.reply = h('textarea', { 'data-pinbox': 'reply', 'aria-label': 'Reply', placeholder: 'Reply...',
+    ui.reply = h('textarea', { 'data-pinbox': 'reply', 'aria-label': 'Reply', placeholder: 'Reply... (Ctrl+Enter sends)',
       onkeydown: (e) => { if (e.key === 'Enter' && (e.ctrlKey || e.metaKey)) { e.preventDefault(); sendReply(); } } });
     ui.send = h('button', { type: 'button', class: 'primary', 'data-pinbox': 'send', onclick: sendReply }, 'Send');
-    ui.statusButton = h('span');
+    ui.statusButton = h('span', { class: 'status-buttons' });
     ui.title = h('strong');
     ui.badge = h('span', { class: 'badge' });
     ui.thread = h('section', { class: 'panel thread', 'data-pinbox': 'thread', role: 'dialog', 'aria-label': 'Pin thread' },
       h('div', { class: 'head' }, ui.title, ui.badge, h('span', { class: 'grow' }),
         h('button', { type: 'button', class: 'x', 'aria-label': 'Close thread', onclick: closeThread }, TIMES)),
-      ui.meta, ui.list, ui.reply,
+      ui.meta, ui.progress, ui.list, ui.reply,
       h('div', { class: 'actions' }, ui.statusButton, ui.send));
     ui.layer.append(ui.thread);
     renderThreadMeta();
+    renderProgress();
+    refreshProgress(id);
     ui.reply.focus();
     return api('GET', '/pins/' + encodeURIComponent(id) + '/thread').then((data) => {
       if (state.threadId !== id) return;
@@ -6380,6 +6883,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     if (!ui.thread) return;
     ui.thread.remove();
     ui.thread = null;
+    ui.progress = null;
     state.threadId = null;
     state.messages = [];
   }
@@ -6389,7 +6893,14 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     return h('div', { class: 'note' }, 'attachment: ' + ((a && (a.path || a.id)) || '?'));
   }
 
-  // Pin text, status and the resolve/reopen button: redrawn on every pin update.
+  function where(pin) {
+    const t = pin.target || {};
+    const extra = (t.targets || []).map((x) => x.selector || x.tag).filter(Boolean);
+    return (t.selector || t.url || '') + (extra.length ? ' (+' + extra.join(', ') + ')' : '');
+  }
+
+  // Pin text, status and its buttons (Resolve; Accept and Reopen once resolved): redrawn
+  // on every pin update.
   function renderThreadMeta() {
     const pin = state.pins.get(state.threadId);
     if (!ui.thread || !pin) return;
@@ -6399,22 +6910,22 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     ui.badge.className = 'badge' + (resolved ? ' resolved' : '');
     ui.thread.setAttribute('data-status', resolved ? 'resolved' : 'open');
     const notes = [];
-    if (resolved && pin.resolution) {
-      notes.push('Resolved by ' + (pin.resolution.by || '?') + (pin.resolution.note ? ': ' + pin.resolution.note : ''));
-    }
     if (pin.verification) notes.push('Verification: ' + pin.verification.outcome + (pin.verification.note ? ': ' + pin.verification.note : ''));
     fill(ui.meta,
       h('div', { class: 'pintext', 'data-pinbox': 'pin-text' }, pin.text || ''),
-      h('code', { title: (pin.target && pin.target.selector) || '' }, (pin.target && pin.target.selector) || ''),
+      h('code', { title: where(pin) }, where(pin)),
       (pin.attachments || []).length ? h('div', { class: 'shots' }, pin.attachments.map(attachmentView)) : null,
       notes.map((n) => h('div', { class: 'note' }, n)));
-    // Swap the button only when the status flips: replacing it mid-click would eat the click.
-    const want = resolved ? 'reopen' : 'resolve';
-    const current = ui.statusButton.firstChild;
-    if (current && current.getAttribute('data-pinbox') === want) return;
-    fill(ui.statusButton, resolved
-      ? h('button', { type: 'button', 'data-pinbox': 'reopen', onclick: () => changeStatus('/verify', { outcome: 'reopened' }) }, 'Reopen')
-      : h('button', { type: 'button', class: 'ok', 'data-pinbox': 'resolve', onclick: () => changeStatus('/resolve', { by: 'human' }) }, 'Resolve'));
+    // Swap the buttons only when the status flips: replacing one mid-click would eat the click.
+    const want = resolved ? (pin.verification && pin.verification.outcome === 'accepted' ? 'accepted' : 'verify') : 'resolve';
+    if (ui.statusButton.getAttribute('data-for') === want) return;
+    ui.statusButton.setAttribute('data-for', want);
+    fill(ui.statusButton, want === 'resolve'
+      ? h('button', { type: 'button', class: 'ok', 'data-pinbox': 'resolve', onclick: () => changeStatus('/resolve', { by: 'human' }) }, 'Resolve')
+      : [want === 'verify' ? h('button', { type: 'button', class: 'ok', 'data-pinbox': 'accept', title: 'The fix works',
+        onclick: () => changeStatus('/verify', { outcome: 'accepted' }) }, 'Accept') : null,
+      h('button', { type: 'button', 'data-pinbox': 'reopen', title: 'The fix does not work',
+        onclick: () => changeStatus('/verify', { outcome: 'reopened' }) }, 'Reopen')]);
   }
 
   function renderMessages() {
@@ -6425,9 +6936,10 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   }
 
   function messageView(m) {
-    const when = m.at ? new Date(m.at) : null;
+    const who = m.role === 'agent' && m.session ? 'agent ' + DOT + ' ' + sessionName(m.session) : (m.role || '?');
+    const when = clock(m.at);
     return h('div', { class: 'msg ' + (m.role || ''), 'data-pinbox': 'message', 'data-message-id': m.id, 'data-role': m.role },
-      h('div', { class: 'who' }, (m.role || '?') + (when && !isNaN(when) ? ' ' + DOT + ' ' + when.toLocaleTimeString() : '')),
+      h('div', { class: 'who' }, who + (when ? ' ' + DOT + ' ' + when : '')),
       h('div', { class: 'text' }, m.text || ''),
       (m.attachments || []).map(attachmentView));
   }
@@ -6452,7 +6964,9 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       ui.reply.value = '';
       addMessage(data && data.message ? data.message : data);
     } catch (err) {
-      report(err);
+      if (err.code !== 'E_HUB_UNREACHABLE') throw err;
+      await keep({ kind: 'reply', pinId: id, body: { role: 'human', text } });
+      ui.reply.value = '';
     } finally {
       ui.send.disabled = false;
     }
@@ -6460,13 +6974,263 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
 
   async function changeStatus(path, body) {
     const id = state.threadId;
-    const button = ui.statusButton.firstChild;
-    button.disabled = true;  // a double click would answer E_CONFLICT
+    const buttons = Array.from(ui.statusButton.querySelectorAll('button'));
+    for (const b of buttons) b.disabled = true;  // a double click would answer E_CONFLICT
     try {
       const data = await api('POST', '/pins/' + encodeURIComponent(id) + path, body);
       upsert(data && data.pin ? data.pin : data);
     } finally {
-      button.disabled = false;
+      for (const b of buttons) b.disabled = false;
+    }
+  }
+
+  // ------------------------------------------------------------------ drawer
+
+  // Every pin of the project in one list: this page's first, then by page.
+  function openDrawer() {
+    if (ui.drawer) { closeDrawer(); return; }
+    closeHelp();
+    state.drawerTab = state.drawerTab || 'open';
+    ui.search = h('input', { type: 'search', 'data-pinbox': 'search', 'aria-label': 'Search pins', placeholder: 'Search...',
+      oninput: () => renderDrawer() });
+    ui.tabs = h('div', { class: 'tabs', role: 'tablist', 'aria-label': 'Pin status' });
+    ui.drawerList = h('div', { class: 'drawer-list' });
+    ui.drawer = h('aside', { class: 'panel drawer', 'data-pinbox': 'drawer', role: 'dialog', 'aria-label': 'All pins' },
+      h('div', { class: 'head' }, h('strong', null, 'Pins'), h('span', { class: 'grow' }),
+        h('button', { type: 'button', class: 'small', 'data-pinbox': 'copy-all', onclick: copyAllOpen, title: 'Copy every open pin as Markdown (C)' }, 'Copy open'),
+        h('button', { type: 'button', class: 'x', 'aria-label': 'Close the list', onclick: closeDrawer }, TIMES)),
+      ui.tabs, ui.search, ui.drawerList);
+    ui.layer.append(ui.drawer);
+    renderDrawer();
+    refreshProgress();
+    ui.search.focus();
+  }
+
+  function closeDrawer() {
+    if (!ui.drawer) return;
+    ui.drawer.remove();
+    ui.drawer = null;
+  }
+
+  function pageKey(pin) {
+    try { const u = new URL(pin.target && pin.target.url); return u.origin + u.pathname; } catch (err) { return ''; }
+  }
+
+  function renderDrawer() {
+    if (!ui.drawer) return;
+    const query = ui.search.value.trim().toLowerCase();
+    const all = Array.from(state.pins.values());
+    const counts = { open: 0, resolved: 0 };
+    for (const pin of all) counts[pin.status === 'resolved' ? 'resolved' : 'open']++;
+    fill(ui.tabs, ['open', 'resolved'].map((tab) => h('button', { type: 'button', role: 'tab', class: 'tab',
+      'data-pinbox': 'tab-' + tab, 'aria-selected': String(state.drawerTab === tab),
+      onclick: () => { state.drawerTab = tab; renderDrawer(); } }, (tab === 'open' ? 'Open' : 'Resolved') + ' (' + counts[tab] + ')')));
+    const shown = all.filter((pin) => (pin.status === 'resolved' ? 'resolved' : 'open') === state.drawerTab &&
+      (!query || (pin.text + ' ' + where(pin) + ' ' + ((pin.target && pin.target.url) || '')).toLowerCase().includes(query)));
+    const groups = new Map();
+    for (const pin of shown.sort((a, b) => (b.n || 0) - (a.n || 0))) {
+      const key = onThisPage(pin) ? '' : pageKey(pin) || 'no page';
+      if (!groups.has(key)) groups.set(key, []);
+      groups.get(key).push(pin);
+    }
+    const keys = Array.from(groups.keys()).sort((a, b) => (a === '' ? -1 : b === '' ? 1 : a < b ? -1 : 1));
+    fill(ui.drawerList, shown.length ? keys.map((key) => h('section', { class: 'group', 'data-pinbox': 'group', 'data-page': key || location.origin + location.pathname },
+      h('div', { class: 'group-head' }, (key === '' ? 'This page' : key) + ' (' + groups.get(key).length + ')'),
+      groups.get(key).map(drawerItem))) : h('div', { class: 'empty' }, query ? 'No pin matches.' : 'No ' + state.drawerTab + ' pins.'));
+  }
+
+  function drawerItem(pin) {
+    const here = onThisPage(pin);
+    const last = (state.progress[pin.id] || {}).lastMessage;
+    const shot = (pin.attachments || []).filter((a) => a && a.url && String(a.contentType || 'image/').startsWith('image/'));
+    const owner = pin.agentSession ? pin.agentSession.agent + ' (' + String(pin.agentSession.key).slice(0, 8) + ')' : 'no agent yet';
+    const body = [h('span', { class: 'n' }, '#' + (pin.n || '?')),
+      h('div', { class: 'item-main' },
+        h('div', { class: 'item-text' }, collapse(pin.text).slice(0, 140)),
+        h('code', null, where(pin)),
+        h('div', { class: 'note' }, owner + (progressText(pin) ? ' ' + DOT + ' ' + progressText(pin) : '')),
+        last ? h('div', { class: 'note last' }, last.role + ': ' + collapse(last.text).slice(0, 100)) : null),
+      shot.length ? authImage(shot[shot.length - 1].url, 'screenshot of pin ' + pin.n) : null];
+    const open = here
+      ? h('button', { type: 'button', class: 'item-open', 'data-pinbox': 'drawer-pin', 'data-pin-id': pin.id,
+        onclick: () => { closeDrawer(); flash(pin); openThread(pin.id); } }, body)
+      : h('a', { class: 'item-open', 'data-pinbox': 'drawer-pin', 'data-pin-id': pin.id, href: pin.target.url }, body);
+    return h('div', { class: 'item' }, open,
+      h('button', { type: 'button', class: 'small', 'data-pinbox': 'copy-pin', 'aria-label': 'Copy pin ' + pin.n + ' as Markdown',
+        onclick: () => copyText(pinMarkdown(pin), 'Pin #' + pin.n + ' copied') }, 'Copy'));
+  }
+
+  // A pin as Markdown a person can paste into any chat (file paths, never the token).
+  function pinMarkdown(pin) {
+    const lines = ['### Pin #' + (pin.n || '?') + ' (' + (pin.status || 'open') + ')', ''];
+    for (const line of String(pin.text || '').split('\n')) lines.push('> ' + line);
+    lines.push('');
+    if (pin.target && pin.target.url) lines.push('- Page: ' + pin.target.url);
+    if (where(pin)) lines.push('- Element: `' + where(pin).split('`').join("'") + '`');
+    for (const a of pin.attachments || []) if (a && (a.path || a.url)) lines.push('- Screenshot: ' + (a.path || new URL(a.url, ENDPOINT).href));
+    const said = progressText(pin);
+    if (said) lines.push('- Status: ' + said);
+    lines.push('- Id: `' + pin.id + '`');
+    return lines.join('\n');
+  }
+
+  function copyAllOpen() {
+    const open = Array.from(state.pins.values()).filter((p) => p.status !== 'resolved').sort((a, b) => (a.n || 0) - (b.n || 0));
+    if (!open.length) { toast('No open pins to copy'); return; }
+    copyText('## Open pins (' + open.length + ')\n\n' + open.map(pinMarkdown).join('\n\n') + '\n', open.length + ' open pin(s) copied');
+  }
+
+  async function copyText(text, done) {
+    try {
+      await navigator.clipboard.writeText(text);
+    } catch (err) {
+      // No async clipboard (an insecure origin, or no permission): the old way.
+      const area = h('textarea', { class: 'offscreen', 'aria-hidden': 'true' });
+      area.value = text;
+      ui.layer.append(area);
+      area.select();
+      const ok = document.execCommand('copy');
+      area.remove();
+      if (!ok) { toast('Copying was refused by the browser', 'error'); return; }
+    }
+    toast(done);
+  }
+
+  // ------------------------------------------------------------ help and dock
+
+  const KEYS = [['P', 'drop a pin (Shift+click adds elements)'], ['Tab / Enter', 'while picking: step through the page, pick'],
+    ['I', 'every pin of the project'], ['C', 'copy the open pins as Markdown'], ['H', 'hide or show the markers'],
+    ['M', 'minimize to a small button'], ['Ctrl+Enter', 'send a pin or a reply'], ['Esc', 'back out'], ['?', 'these keys']];
+
+  function toggleHelp() {
+    if (ui.help) { closeHelp(); return; }
+    ui.help = h('div', { class: 'panel help', 'data-pinbox': 'help', role: 'dialog', 'aria-label': 'Keyboard shortcuts' },
+      h('div', { class: 'head' }, h('strong', null, 'Keys'), h('span', { class: 'grow' }),
+        h('button', { type: 'button', class: 'x', 'aria-label': 'Close the keys', onclick: closeHelp }, TIMES)),
+      h('dl', null, KEYS.map(([k, v]) => [h('dt', null, h('kbd', null, k)), h('dd', null, v)])));
+    ui.layer.append(ui.help);
+    ui.help.querySelector('button').focus();
+  }
+
+  function closeHelp() {
+    if (!ui.help) return;
+    ui.help.remove();
+    ui.help = null;
+  }
+
+  function setHidden(hidden) {
+    state.markersHidden = hidden;
+    ui.markers.hidden = hidden || state.minimized;
+  }
+
+  function dockPlace() {
+    try { return JSON.parse(localStorage.getItem('pinbox.dock')) || null; } catch (err) { return null; }
+  }
+
+  // Minimized: a small button with the open count, dragged anywhere, kept there per site.
+  function setMinimized(minimized) {
+    state.minimized = minimized;
+    try { localStorage.setItem('pinbox.minimized', String(minimized)); } catch (err) { /* this page only */ }
+    if (minimized) { stopPicking(); closeComposer(); closeThread(); closeDrawer(); closeHelp(); }
+    ui.toggle.classList.toggle('mini', minimized);
+    ui.toggle.setAttribute('data-minimized', String(minimized));
+    const place = minimized && dockPlace();
+    ui.toggle.style.right = place ? place.right + 'px' : '';
+    ui.toggle.style.bottom = place ? place.bottom + 'px' : '';
+    setHidden(state.markersHidden);
+    renderMarkers();
+  }
+
+  function dragDock(e) {
+    if (!state.minimized || e.button !== 0) return;
+    const start = { x: e.clientX, y: e.clientY, rect: ui.toggle.getBoundingClientRect() };
+    let moved = false;
+    const move = (ev) => {
+      const dx = ev.clientX - start.x, dy = ev.clientY - start.y;
+      if (!moved && Math.abs(dx) + Math.abs(dy) < 4) return;
+      moved = true;
+      const right = Math.min(Math.max(innerWidth - start.rect.right - dx, 0), innerWidth - start.rect.width);
+      const bottom = Math.min(Math.max(innerHeight - start.rect.bottom - dy, 0), innerHeight - start.rect.height);
+      ui.toggle.style.right = right + 'px';
+      ui.toggle.style.bottom = bottom + 'px';
+    };
+    const up = () => {
+      window.removeEventListener('pointermove', move, true);
+      window.removeEventListener('pointerup', up, true);
+      if (!moved) return;
+      state.dragged = true;  // the click that ends a drag does not restore the toolbar
+      try {
+        localStorage.setItem('pinbox.dock', JSON.stringify({ right: parseFloat(ui.toggle.style.right), bottom: parseFloat(ui.toggle.style.bottom) }));
+      } catch (err) { /* storage blocked: the place lasts for this page only */ }
+    };
+    window.addEventListener('pointermove', move, true);
+    window.addEventListener('pointerup', up, true);
+  }
+
+  function onToggle() {
+    if (state.dragged) { state.dragged = false; return; }
+    if (state.minimized) setMinimized(false);
+    else if (state.picking) stopPicking();
+    else startPicking();
+  }
+
+  // ----------------------------------------------------------------- outbox
+
+  // What is written while the hub is down waits in this browser (IndexedDB: captures are
+  // blobs) and is sent in order once the hub answers again; each item is removed as soon
+  // as the hub has it.
+  function outbox(mode, work) {
+    return new Promise((resolve, reject) => {
+      const open = indexedDB.open('pinbox-outbox', 1);
+      open.onupgradeneeded = () => open.result.createObjectStore('items', { keyPath: 'seq', autoIncrement: true });
+      open.onerror = () => reject(open.error);
+      open.onsuccess = () => {
+        const db = open.result;
+        const tx = db.transaction('items', mode);
+        const result = work(tx.objectStore('items'));
+        tx.oncomplete = () => { db.close(); resolve(result && 'result' in result ? result.result : undefined); };
+        tx.onerror = () => { db.close(); reject(tx.error); };
+      };
+    });
+  }
+
+  async function keep(item) {
+    item.endpoint = ENDPOINT;
+    await outbox('readwrite', (items) => items.add(item));
+    state.waiting++;
+    showOffline();
+    clearTimeout(state.flushTimer);
+    state.flushTimer = setTimeout(flush, 2000);
+  }
+
+  function showOffline() {
+    ui.offline.hidden = state.waiting === 0;
+    ui.offline.textContent = 'Offline ' + DOT + ' ' + state.waiting + ' waiting to be sent';
+  }
+
+  async function flush() {
+    if (state.flushing) return;
+    state.flushing = true;
+    clearTimeout(state.flushTimer);
+    let sent = 0;
+    try {
+      const items = (await outbox('readonly', (s) => s.getAll())).filter((i) => i.endpoint === ENDPOINT);
+      state.waiting = items.length;
+      for (const item of items) {
+        if (item.kind === 'pin') upsert(await sendPin(item.body, item.shots));
+        else addMessage(await api('POST', '/pins/' + encodeURIComponent(item.pinId) + '/thread', item.body));
+        await outbox('readwrite', (s) => s.delete(item.seq));
+        state.waiting--;
+        sent++;
+        showOffline();
+      }
+    } catch (err) {
+      if (err && err.code && err.code !== 'E_HUB_UNREACHABLE') report(err);
+      state.flushTimer = setTimeout(flush, 3000);
+    } finally {
+      state.flushing = false;
+      showOffline();
+      if (sent && !state.waiting) toast('Back online ' + DOT + ' ' + sent + ' sent');
     }
   }
 
@@ -6485,7 +7249,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     es.onmessage = onEvent;  // unnamed events
     for (const t of EVENT_TYPES) es.addEventListener(t, onEvent);  // named ones; seq dedupes
     let openedAt = 0;
-    es.onopen = () => { openedAt = Date.now(); state.streamWarned = false; };
+    es.onopen = () => { openedAt = Date.now(); state.streamWarned = false; if (state.waiting) flush(); };
     // Recreate rather than let the browser retry: the new URL carries the latest seq.
     es.onerror = () => {
       es.close();
@@ -6514,46 +7278,97 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       if (ev.seq <= state.lastSeq) return;
       state.lastSeq = ev.seq;
     }
-    if (ev.type === 'thread.message') addMessage(ev.payload);
-    else if (EVENT_TYPES.includes(ev.type)) upsert(ev.payload);
+    if (ev.type === 'thread.message') {
+      addMessage(ev.payload);
+      if (ev.payload) refreshProgress(ev.payload.pinId);
+    } else if (EVENT_TYPES.includes(ev.type)) upsert(ev.payload);
   }
 
   // ------------------------------------------------------------------ wiring
 
+  // Esc backs out of the topmost thing: picking, then the composer, the keys, the
+  // drawer, the thread.
+  function backOut() {
+    if (state.picking) stopPicking();
+    else if (ui.composer) closeComposer();
+    else if (ui.help) closeHelp();
+    else if (ui.drawer) closeDrawer();
+    else if (ui.thread) closeThread();
+    else return false;
+    return true;
+  }
+
+  // Tab stays inside the composer until it is sent or cancelled.
+  function trapFocus(e) {
+    const items = Array.from(ui.composer.querySelectorAll('button, textarea, input')).filter((el) => !el.disabled);
+    const at = items.indexOf(ui.root.activeElement);
+    const next = e.shiftKey ? (at <= 0 ? items.length - 1 : at - 1) : (at + 1) % items.length;
+    items[next].focus();
+  }
+
+  const SHORTCUTS = { p: () => (state.picking ? stopPicking() : startPicking()), i: openDrawer, c: copyAllOpen,
+    h: () => setHidden(!state.markersHidden), m: () => setMinimized(!state.minimized), '?': toggleHelp };
+
   const onKey = guard((e) => {
+    if (e.isComposing) return;
     if (e.key === 'Escape') {
-      if (state.picking) stopPicking();
-      else if (ui.composer) closeComposer();
-      else if (ui.thread) closeThread();
-      else return;
+      if (backOut()) { e.preventDefault(); e.stopPropagation(); }
+      return;
+    }
+    if (state.picking && !e.ctrlKey && !e.metaKey && !e.altKey && pickKey(e)) {
       e.preventDefault();
       e.stopPropagation();
       return;
     }
-    if ((e.key === 'p' || e.key === 'P') && !e.repeat && !e.isComposing && !e.ctrlKey && !e.metaKey && !e.altKey && !isEditable(e.composedPath()[0])) {
+    if (e.key === 'Tab' && ui.composer && e.composedPath().includes(ui.composer)) {
       e.preventDefault();
-      if (state.picking) stopPicking(); else startPicking();
+      trapFocus(e);
+      return;
+    }
+    const act = SHORTCUTS[e.key.length === 1 ? e.key.toLowerCase() : ''];
+    if (act && !e.repeat && !e.ctrlKey && !e.metaKey && !e.altKey && !isEditable(e.composedPath()[0])) {
+      e.preventDefault();
+      act();
     }
   });
+
+  // Single-page apps change the route without a load: the markers follow at once.
+  function followRoutes() {
+    for (const name of ['pushState', 'replaceState']) {
+      const original = history[name];
+      history[name] = function (...args) {
+        const result = original.apply(this, args);
+        setTimeout(guard(renderMarkers), 0);
+        return result;
+      };
+    }
+    window.addEventListener('popstate', guard(renderMarkers));
+    window.addEventListener('hashchange', guard(renderMarkers));
+  }
 
   function start() {
     mount();
     window.addEventListener('keydown', onKey, true);
     window.addEventListener('scroll', schedule, { capture: true, passive: true });
     window.addEventListener('resize', schedule, { passive: true });
-    // Once a second: catch layout shifts that fire no scroll/resize, and single-page-app
-    // route changes (pushState fires no event) that change which pins belong here.
+    followRoutes();
+    // Once a second: catch layout shifts that fire no scroll/resize, elements that came
+    // or went, and where the open thread or the drawer's pins stand.
     let lastPath = location.pathname;
     setInterval(guard(() => {
       if (location.pathname !== lastPath) { lastPath = location.pathname; renderMarkers(); } else schedule();
+      if ((ui.thread || ui.drawer) && document.visibilityState === 'visible') refreshProgress(ui.drawer ? null : state.threadId);
     }), 1000);
     window.addEventListener('pagehide', () => { if (state.es) state.es.close(); state.es = null; clearTimeout(state.retryTimer); });
     window.addEventListener('pageshow', (e) => { if (e.persisted) connect(); });  // back/forward cache
+    try { if (localStorage.getItem('pinbox.minimized') === 'true') setMinimized(true); } catch (err) { /* storage blocked */ }
+    outbox('readonly', (s) => s.count()).then((n) => { state.waiting = n || 0; showOffline(); }, () => {});
     api('GET', '/pins')
       .then((data) => {
         const pins = Array.isArray(data) ? data : (data && data.pins) || [];
         for (const p of pins) if (p && p.id) state.pins.set(p.id, p);
         renderMarkers();
+        return refreshProgress();
       })
       .catch(report)
       .then(connect);

@@ -566,11 +566,111 @@ def bench_proxy(runs, workdir):
         app.wait()
 
 
+def typical_page(site, hub):
+    """A shop page of about 400 elements: a stylesheet, a nav, 24 cards with a picture
+    and a button each; the hub's toolbar tag; and the bench's own stopwatch (a keydown
+    and a click listener that run before the toolbar's, and a fetch that notes when
+    POST /pins answers)."""
+    sys.path.insert(0, ROOT)
+    from test_pinbox import make_png
+    with open(os.path.join(site, "shoe.png"), "wb") as handle:
+        handle.write(make_png(160, 100, (180, 120, 60)))
+    rules = "".join(".c%d{margin:%dpx;color:#%03x}" % (i, i % 7, i * 37 % 4096) for i in range(200))
+    cards = "".join("<article class='card c%d'><img src=/shoe.png width=160 height=100 alt=shoe><h3>Shoe %d</h3>"
+                    "<p>Leather, size %d. <em>In stock</em></p><button class=buy id=buy%d>Buy</button></article>"
+                    % (i, i, 36 + i % 10, i) for i in range(24))
+    page = ("<!doctype html><meta charset=utf-8><title>Shop</title><style>body{font:15px sans-serif;margin:0}"
+            "nav{display:flex;gap:12px;padding:12px;background:#222}nav a{color:#eee}main{display:grid;"
+            "grid-template-columns:repeat(4,1fr);gap:16px;padding:16px}.card{border:1px solid #ddd;padding:10px;"
+            "border-radius:8px}.buy{background:#d33;color:#fff;border:0;padding:8px 16px}" + rules + "</style>"
+            "<script>window.__bench={};addEventListener('keydown',e=>{if(e.key==='Enter'&&e.ctrlKey)__bench.sent="
+            "performance.now()},true);addEventListener('click',()=>{__bench.picked=performance.now()},true);"
+            "const f=window.fetch;window.fetch=function(u,o){const p=f.apply(this,arguments);if(o&&o.method==='POST'&&"
+            "String(u).endsWith('/pins'))p.then(()=>{__bench.stored=performance.now();__bench.done&&__bench.done()});"
+            "return p}</script><nav>" + "".join("<a href=#%d>Section %d</a>" % (i, i) for i in range(8)) +
+            "</nav><main>" + cards + "</main><script src='http://127.0.0.1:%d/toolbar.js' data-token='%s'></script>"
+            % (hub["port"], hub["token"]))
+    with open(os.path.join(site, "index.html"), "w") as handle:
+        handle.write(page)
+
+
+def bench_toolbar(runs, workdir):
+    """The page toolbar in headless Chromium: its size, the time from the pick to the
+    picture drawn, and from Ctrl+Enter to the pin stored with its two PNGs, beside the
+    same pin without a picture (capture turned off), run for run."""
+    import gzip
+    sys.path.insert(0, ROOT)
+    from test_pinbox import Chromium, chromium_binary, toolbar_element
+    rows = [{"name": "toolbar.js as served", "bytes": len(pinbox.TOOLBAR_JS.encode()),
+             "gzip_bytes": len(gzip.compress(pinbox.TOOLBAR_JS.encode()))}]
+    binary = chromium_binary()
+    if binary is None:
+        print("bench: toolbar timings skipped: chromium not installed")
+        return rows
+    env = bench_env(workdir)
+    site = os.path.join(workdir, "site")
+    os.makedirs(site)
+    app = subprocess.Popen([sys.executable, "-c", KEEP_ALIVE_SERVER], cwd=site, stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL)
+    port = int(app.stdout.readline())
+    repo = project(workdir, "toolbar", env)
+    old = dict(os.environ)
+    os.environ.update(XDG_STATE_HOME=env["XDG_STATE_HOME"])
+    proc, hub = start_hub(repo, env)
+    browser = Chromium(binary, workdir)
+    try:
+        typical_page(site, hub)
+        samples = {"drawn": [], "capture": [], "plain": []}
+        thumb_ready = ("new Promise(r => { const t = %s; const done = () => r(performance.now() - __bench.picked);"
+                       " if (t.classList.contains('ready')) return done(); new MutationObserver(done).observe(t, "
+                       "{attributes: true}); })" % toolbar_element(".thumb"))
+        browser.open("http://127.0.0.1:%d/index.html" % port)
+        browser.wait_for("!!document.getElementById('pinbox-toolbar-host')", 10)
+        for i in range(runs):
+            for mode in ("capture", "plain"):
+                browser.key("p")
+                browser.click_at("document.getElementById('buy%d')" % (i % 24))
+                browser.wait_for("!!(%s)" % toolbar_element('[data-pinbox="comment"]'))
+                drawn = browser.evaluate(thumb_ready)
+                if mode == "capture":
+                    samples["drawn"].append(drawn)
+                else:
+                    browser.click_at(toolbar_element('[data-pinbox="capture"]'))
+                browser.click_at(toolbar_element('[data-pinbox="comment"]'))
+                browser.type_text("bench pin %d" % i)
+                browser.evaluate("(__bench.wait = new Promise(r => { __bench.done = r; }), 1)")
+                browser.key("Enter", modifiers=browser.CTRL)
+                browser.evaluate("__bench.wait")
+                samples[mode].append(browser.evaluate("__bench.stored - __bench.sent"))
+                browser.wait_for("!%s" % toolbar_element('[data-pinbox="composer"]'))
+        status, data = call_hub(hub["port"], hub["token"], "GET", "/pins")
+        pins = json.loads(data)["data"]
+        with_pictures = sum(1 for p in pins if len(p.get("attachments") or []) == 2)
+        if with_pictures != runs or len(pins) != 2 * runs:
+            raise SystemExit("bench: %d pins, %d with pictures (expected %d, %d)" % (len(pins), with_pictures,
+                                                                                     2 * runs, runs))
+        rows += [dict(name="pick to the picture drawn (page copy, 2 PNGs)", **summarize(samples["drawn"])),
+                 dict(name="Ctrl+Enter to the pin stored with its 2 PNGs", **summarize(samples["capture"]),
+                      target_ms=300),
+                 dict(name="Ctrl+Enter to the pin stored, capture off", **summarize(samples["plain"]))]
+        return rows
+    finally:
+        browser.close()
+        os.environ.clear()
+        os.environ.update(old)
+        proc.terminate()
+        proc.wait()
+        app.terminate()
+        app.wait()
+
+
 BENCHMARKS = {"hooks": bench_hooks, "commit": bench_commit, "cli": bench_cli, "hub": bench_hub,
-              "delivery": bench_delivery, "inbox": bench_inbox, "proxy": bench_proxy}
+              "delivery": bench_delivery, "inbox": bench_inbox, "proxy": bench_proxy, "toolbar": bench_toolbar}
 
 
 def format_row(row):
+    if "bytes" in row:
+        return "%-58s %21s" % (row["name"], "%d bytes, %d gzipped" % (row["bytes"], row["gzip_bytes"]))
     if "per_second" in row:
         target = ""
         if row.get("target_per_second"):
