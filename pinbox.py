@@ -6481,12 +6481,19 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   // the browser asks once per page load, and the stream is kept for later pins.
   async function tabFrame() {
     if (!state.tabStream || !state.tabStream.active) {
-      state.tabStream = await navigator.mediaDevices.getDisplayMedia({ video: true, audio: false, preferCurrentTab: true });
+      const dpr = devicePixelRatio || 1;
+      state.tabStream = await navigator.mediaDevices.getDisplayMedia({ audio: false, preferCurrentTab: true,
+        video: { width: { ideal: Math.round(innerWidth * dpr) }, height: { ideal: Math.round(innerHeight * dpr) } } });
     }
     const video = document.createElement('video');
     video.muted = true;
     video.srcObject = state.tabStream;
     await video.play();
+    if (!video.videoWidth) {  // the first frame's size may come a moment after play()
+      await Promise.race([new Promise((resolve) => video.addEventListener('resize', resolve, { once: true })),
+        new Promise((resolve) => setTimeout(resolve, 3000))]);
+      if (!video.videoWidth) throw new Error('the tab capture gave no picture');
+    }
     ui.layer.style.visibility = 'hidden';  // the picture is of the page, not of our panels
     try {
       await new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve)));
@@ -6552,6 +6559,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       if (state.shots !== shots || !ui.shot || got.failed) return;
       if (ui.shot.src) URL.revokeObjectURL(ui.shot.src);
       ui.shot.src = URL.createObjectURL(got[0].blob);
+      ui.shot.setAttribute('data-source', frame ? 'tab' : 'page');
       ui.shot.classList.toggle('ready', ui.captureBox.checked);
     });
     return shots;

@@ -732,7 +732,9 @@ class Chromium:
              "--no-default-browser-check", "--hide-scrollbars", "--password-store=basic",
              # nothing but this machine: no DNS for any other name
              "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE localhost , EXCLUDE 127.0.0.1",
-             "--window-size=1280,800", "--remote-debugging-pipe"]
+             "--window-size=1280,800", "--remote-debugging-pipe",
+             # a page's own getDisplayMedia({preferCurrentTab}) is granted as a person would grant it
+             "--auto-accept-this-tab-capture"]
     # Chromium reads commands on fd 3 and answers on fd 4.
     LAUNCHER = "import os,sys; os.dup2(int(sys.argv[1]),3); os.dup2(int(sys.argv[2]),4); os.execv(sys.argv[3],sys.argv[3:])"
 
@@ -5805,6 +5807,21 @@ class TestToolbarInChromium(HubCase):
         self.files[path] = ("text/html; charset=utf-8", (body + tag).encode())
         return self.site + path
 
+    def foreign_picture(self, png):
+        """The URL of a PNG on another origin (another port) that sends no CORS headers."""
+        class Foreign(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", str(len(png)))
+                self.end_headers()
+                self.wfile.write(png)
+
+            def log_message(self, *args):
+                pass
+
+        return "http://127.0.0.1:%d/cat.png" % serve_in_thread(self, Foreign).server_address[1]
+
     def artifact(self, name):
         folder = os.path.join(os.environ.get("TMPDIR", "/tmp"), "pinbox-test-artifacts")
         os.makedirs(folder, exist_ok=True)
@@ -5867,21 +5884,7 @@ class TestToolbarInChromium(HubCase):
     def test_a_pin_carries_a_picture_of_what_the_person_saw(self):
         # A picture from another origin, served without CORS: the page shows it, but a canvas
         # that drew it could never be read back.
-        foreign = {"/cat.png": ("image/png", make_png(40, 30, (0, 160, 0)))}
-
-        class Foreign(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                content_type, data = foreign["/cat.png"]
-                self.send_response(200)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        other = "http://127.0.0.1:%d/cat.png" % serve_in_thread(self, Foreign).server_address[1]
+        other = self.foreign_picture(make_png(40, 30, (0, 160, 0)))
         self.files["/logo.png"] = ("image/png", make_png(60, 40, (30, 60, 200)))
         url = self.page("/shop", "<!doctype html><meta charset=utf-8><title>Shop</title><style>"
                         "body{margin:30px;font:16px sans-serif;background:#fafafa}"
@@ -5928,6 +5931,71 @@ class TestToolbarInChromium(HubCase):
         pins = self.wait_pins(lambda pins: len(pins) == 2)
         self.assertEqual([p["text"] for p in pins], ["Heading font", "Buy button is too loud"])
         self.assertNotIn("attachments", pins[0])
+
+    def test_a_tab_capture_is_asked_for_once_and_shows_what_a_page_copy_cannot(self):
+        other = self.foreign_picture(make_png(80, 60, (0, 160, 0)))
+        url = self.page("/tab", "<!doctype html><meta charset=utf-8><title>Tab</title><script>window.asked = 0;"
+                        "const real = navigator.mediaDevices.getDisplayMedia.bind(navigator.mediaDevices);"
+                        "navigator.mediaDevices.getDisplayMedia = (o) => { window.asked++; return real(o); };</script>"
+                        "<body style='margin:40px'><img id=cat src=%s width=80 height=60><p><button id=b1>One</button>"
+                        "<button id=b2>Two</button></p>" % other)
+        b = self.browser
+        b.open(url)
+        b.wait_for("document.getElementById('cat').complete && !!document.getElementById('pinbox-toolbar-host')", 10)
+        cat = b.evaluate("(() => { const r = document.getElementById('cat').getBoundingClientRect(); "
+                         "return [Math.round(r.x + r.width / 2), Math.round(r.y + r.height / 2)]; })()")
+        for n, button in enumerate(("b1", "b2"), 1):
+            b.click_at(toolbar_element('[data-pinbox="toggle"]'))
+            b.click_at("document.getElementById(%s)" % json.dumps(button))
+            b.wait_for("!!(%s)" % toolbar_element('[data-pinbox="tab-capture"]'))
+            b.click_at(toolbar_element('[data-pinbox="tab-capture"]'))
+            b.wait_for(self.in_shadow("root.querySelector('.thumb').dataset.source === 'tab'"), 10)
+            b.click_at(toolbar_element('[data-pinbox="comment"]'))
+            b.type_text("tab capture %d" % n)
+            b.key("Enter", modifiers=b.CTRL)
+            pins = self.wait_pins(lambda pins: len(pins) == n and len(pins[0].get("attachments") or []) == 2)
+            with open(pins[0]["attachments"][0]["path"], "rb") as handle:
+                width, height, pixels = read_png(handle.read())
+            self.assertEqual((width, height), (1280, 800))
+            green = pixels[cat[1]][cat[0]][:3]
+            self.assertTrue(green[1] > 120 and green[0] < 60 and green[2] < 60, green)  # what a page copy leaves blank
+            self.assertFalse(b.evaluate(self.in_shadow("!!root.querySelector('[data-pinbox=\"composer\"]')")))
+        self.assertEqual(b.evaluate("window.asked"), 1)  # asked once for this page load
+
+    def test_markers_move_with_scrolling_and_the_theme_follows_the_system(self):
+        url = self.page("/long", "<!doctype html><meta charset=utf-8><title>Long</title><body style='margin:20px'>"
+                        "<h1 id=top>Top</h1><div id=box style='height:200px;overflow:auto;border:1px solid #999'>"
+                        "<div style='height:150px'></div><p id=inner>Inside the box</p><div style='height:600px'></div>"
+                        "</div><div style='height:2000px'></div>")
+        for sel in ("#top", "#inner"):
+            self.api("POST", "/pins", {"text": "at " + sel, "author": {"userId": "u"},
+                                       "target": {"url": url, "selector": sel}}, 201)
+        b = self.browser
+        b.open(url)
+        b.wait_for(self.in_shadow("root.querySelectorAll('[data-pinbox=\"marker\"]:not([hidden])').length === 2"), 10)
+        gap = self.in_shadow("(() => { const out = {}; for (const m of root.querySelectorAll('[data-pinbox=\"marker\"]')) {"
+                             " const el = document.querySelector(m.getAttribute('aria-label').split(': at ')[1]);"
+                             " out[el.id] = m.hidden ? null : Math.round(m.getBoundingClientRect().top - "
+                             "el.getBoundingClientRect().top); } return out; })()")
+        before = b.evaluate(gap)
+        b.call("Input.dispatchMouseEvent", {"type": "mouseWheel", "x": 100, "y": 140, "deltaX": 0, "deltaY": 90},
+               page=True)  # over the box: the inner container scrolls
+        b.wait_for("document.getElementById('box').scrollTop > 0")
+        time.sleep(0.2)
+        self.assertEqual(b.evaluate(gap), before)  # the marker moved with its element
+        b.call("Input.dispatchMouseEvent", {"type": "mouseWheel", "x": 600, "y": 600, "deltaX": 0, "deltaY": 40},
+               page=True)  # the page scrolls
+        b.wait_for("scrollY > 0")
+        time.sleep(0.2)
+        self.assertEqual(b.evaluate(gap)["inner"], before["inner"])  # (the heading's is held inside the viewport)
+        b.key("i")
+        drawer = self.shadow('[data-pinbox="drawer"]')
+        b.wait_for("!!(%s)" % drawer)
+        self.assertEqual(b.evaluate("getComputedStyle(%s).backgroundColor" % drawer), "rgb(255, 255, 255)")
+        b.call("Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": "dark"}]},
+               page=True)
+        b.wait_for("getComputedStyle(%s).backgroundColor === 'rgb(28, 33, 40)'" % drawer)
+        self.artifact("dark.png")
 
     def in_shadow(self, expression):
         return ("(() => { const root = document.getElementById('pinbox-toolbar-host').shadowRoot; return %s; })()"
@@ -6115,8 +6183,9 @@ class TestToolbarInChromium(HubCase):
             b.key("Tab")
             self.assertTrue(b.evaluate(self.in_shadow("root.querySelector('[data-pinbox=\"composer\"]').contains("
                                                       "root.activeElement)")))
-        b.key("Enter", modifiers=b.CTRL) if b.evaluate(self.in_shadow("root.activeElement.tagName")) == "TEXTAREA" else None
-        while b.evaluate(self.in_shadow("root.activeElement && root.activeElement.dataset.pinbox")) != "submit":
+        for _ in range(8):  # on to "Pin it", and Enter
+            if b.evaluate(self.in_shadow("root.activeElement && root.activeElement.dataset.pinbox")) == "submit":
+                break
             b.key("Tab")
         b.key("Enter")
         pins = self.wait_pins(lambda pins: len(pins) == 2)
