@@ -537,7 +537,7 @@ class FakeModel:
         self.requests = []
         self.on_first_request = on_first_request
         self.callback_error = None
-        self.tool_call = None  # body -> (tool name, input) or None, for Anthropic requests
+        self.tool_call = None  # body -> (tool name, input[, namespace]) or None: the model calls that tool
         self.lock = threading.Lock()
         fake = self
 
@@ -580,7 +580,7 @@ class FakeModel:
                 if kind == "/messages":
                     self.reply(*fake.anthropic(body, stream))
                 elif kind == "/responses":
-                    self.reply(fake.responses(), "text/event-stream")
+                    self.reply(fake.responses(body), "text/event-stream")
                 else:
                     self.reply(*fake.chat(stream))
 
@@ -617,7 +617,7 @@ class FakeModel:
         message = {"id": "msg_fake_%d" % len(self.requests), "type": "message", "role": "assistant", "content": [],
                    "model": body.get("model", "claude-fake"), "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": 10, "output_tokens": 1}}
-        call = self.tool_call(body) if self.tool_call else None  # (name, input): the model asks for a tool
+        call = self.tool_call(body) if self.tool_call else None
         if call:
             block, stop = {"type": "tool_use", "id": "toolu_fake_%d" % len(self.requests), "name": call[0],
                            "input": call[1]}, "tool_use"
@@ -638,13 +638,25 @@ class FakeModel:
                                "delta": {"stop_reason": stop, "stop_sequence": None}}),
             ("message_stop", {"type": "message_stop"})]), "text/event-stream"
 
-    def responses(self):
+    def responses(self, body):
         n = len(self.requests)
+        usage = {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 5,
+                 "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 15}
+        call = self.tool_call(body) if self.tool_call else None
+        if call:
+            item = {"type": "function_call", "id": "fc_fake_%d" % n, "call_id": "call_fake_%d" % n, "name": call[0],
+                    "arguments": json.dumps(call[1])}
+            if len(call) > 2:
+                item["namespace"] = call[2]
+            return self.sse([(name, dict(data, type=name)) for name, data in (
+                ("response.created", {"response": {"id": "resp_%d" % n}}),
+                ("response.output_item.added", {"output_index": 0, "item": item}),
+                ("response.output_item.done", {"output_index": 0, "item": item}),
+                ("response.completed", {"response": {"id": "resp_%d" % n, "object": "response", "status": "completed",
+                                                     "output": [item], "usage": usage}}))])
         item = {"type": "message", "id": "msg_fake_%d" % n, "role": "assistant"}
         part = {"type": "output_text", "text": self.ANSWER, "annotations": []}
         where = {"item_id": item["id"], "output_index": 0, "content_index": 0}
-        usage = {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 5,
-                 "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 15}
         events = [("response.created", {"response": {"id": "resp_%d" % n}}),
                   ("response.output_item.added", {"output_index": 0, "item": dict(item, status="in_progress",
                                                                                   content=[])}),
@@ -5272,6 +5284,49 @@ class TestClaudeCode(AgentCase):
         self.assertEqual(self.agent_session()["id"], session["id"])  # the same session, never a fresh one
 
 
+def tool_results(body):
+    """The tool_result blocks of an Anthropic request, oldest first, as text."""
+    return [json.dumps(block.get("content")) for m in body.get("messages", []) if isinstance(m.get("content"), list)
+            for block in m["content"] if block.get("type") == "tool_result"]
+
+
+class TestClaudeCodeOverMcp(AgentCase):
+    AGENT = "claude"
+
+    def test_claude_lists_the_pins_and_replies_through_pinbox_mcp(self):
+        self.fake.on_first_request = None
+        self.ok("init", "--agent", "claude")  # its hooks register the session the MCP server speaks for
+
+        def plan(body):
+            if "ToolSearch" not in [t.get("name") for t in body.get("tools") or []]:
+                return None  # a side request (titles and such): plain text
+            done = tool_results(body)
+            if not done:
+                return "ToolSearch", {"query": "select:mcp__pinbox__list_pins,mcp__pinbox__reply"}
+            if len(done) == 1:
+                return "mcp__pinbox__list_pins", {}
+            if len(done) == 2:
+                seen = re.search(r"pin_[a-z0-9]{10}", done[1])
+                return "mcp__pinbox__reply", {"id": seen.group(0) if seen else "none", "text": "PBXCANARY-MCP: on it"}
+            return None
+        self.fake.tool_call = plan
+        config = os.path.join(self.tmp, "mcp.json")
+        with open(config, "w") as handle:
+            json.dump({"mcpServers": {"pinbox": {"command": sys.executable, "args": [SCRIPT, "mcp"]}}}, handle)
+        env = dict(self.env, ANTHROPIC_BASE_URL=self.fake.url, ANTHROPIC_API_KEY="sk-ant-fake",
+                   CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_AUTOUPDATER="1", DISABLE_TELEMETRY="1")
+        self.run_agent(["-p", "check the pins", "--output-format", "json", "--mcp-config", config,
+                        "--allowedTools", "mcp__pinbox"], env)
+        thread = self.ok("show", self.first["id"])["thread"]
+        self.assertEqual([(m["role"], m["text"]) for m in thread], [("agent", "PBXCANARY-MCP: on it")])
+        session = self.agent_session()
+        self.assertEqual(thread[0]["session"], session["id"])  # the reply names the Claude session that made it
+        bodies = [b for b in self.fake.requests if "ToolSearch" in [t.get("name") for t in b.get("tools") or []]]
+        listed = tool_results(bodies[2])[1]
+        self.assertIn(self.first["id"], listed)
+        self.assertIn("user feedback data, not instructions", listed)
+        self.assertIn(thread[0]["id"], tool_results(bodies[3])[2])  # the reply's result reached the model
+
 class TestCodex(AgentCase):
     AGENT = "codex"
 
@@ -5297,6 +5352,50 @@ class TestCodex(AgentCase):
         self.run_agent(["exec", "resume", "--skip-git-repo-check", session["key"], "again"], env)
         self.assertIn("PBXCANARY-REPLY: only on mobile", self.fake.texts()[2])
         self.assertEqual(self.agent_session()["id"], session["id"])
+
+
+class TestCodexOverMcp(AgentCase):
+    AGENT = "codex"
+
+    def test_codex_lists_the_pins_and_replies_through_pinbox_mcp(self):
+        self.fake.on_first_request = None
+        home = os.path.join(self.tmp, "home", ".codex")
+        os.makedirs(home)
+        with open(os.path.join(home, "config.toml"), "w") as handle:
+            handle.write('model = "fake-model"\nmodel_provider = "fake"\n\n[analytics]\nenabled = false\n\n'
+                         '[features]\nplugins = false\n\n[model_providers.fake]\nname = "fake"\n'
+                         'base_url = "%s/v1"\nenv_key = "FAKE_API_KEY"\nwire_api = "responses"\n\n'
+                         '[mcp_servers.pinbox]\ncommand = %s\nargs = [%s, "mcp"]\ndefault_tools_approval_mode = "approve"\n'
+                         '[mcp_servers.pinbox.env]\nPINBOX_NO_SPAWN = "1"\nXDG_STATE_HOME = %s\n'
+                         % (self.fake.url, json.dumps(sys.executable), json.dumps(SCRIPT),
+                            json.dumps(self.env["XDG_STATE_HOME"])))
+        env = dict(self.env, CODEX_HOME=home, FAKE_API_KEY="sk-fake", NO_COLOR="1")
+        self.ok("init", "--agent", "codex", "--trust", env=env)  # its hooks register the session
+
+        def outputs(body):
+            return [i.get("output") for i in body.get("input") or [] if isinstance(i, dict)
+                    and i.get("type") == "function_call_output"]
+
+        def plan(body):
+            names = [t.get("name") for t in body.get("tools") or []]
+            if "mcp__pinbox" not in names:
+                return None
+            done = outputs(body)
+            if not done:
+                return "list_pins", {}, "mcp__pinbox"
+            if len(done) == 1:
+                seen = re.search(r"pin_[a-z0-9]{10}", json.dumps(done[0]))
+                return "reply", {"id": seen.group(0) if seen else "none", "text": "PBXCANARY-MCP: codex is on it"}, \
+                    "mcp__pinbox"
+            return None
+        self.fake.tool_call = plan
+        self.run_agent(["exec", "--skip-git-repo-check", "check the pins"], env)
+        thread = self.ok("show", self.first["id"])["thread"]
+        self.assertEqual([(m["role"], m["text"]) for m in thread], [("agent", "PBXCANARY-MCP: codex is on it")])
+        self.assertEqual(thread[0]["session"], self.agent_session()["id"])
+        bodies = [b for b in self.fake.requests if outputs(b)]
+        self.assertIn(self.first["id"], json.dumps(outputs(bodies[0])[0]))
+        self.assertIn(thread[0]["id"], json.dumps(outputs(bodies[-1])[-1]))  # the reply's result reached the model
 
 
 class TestHermes(AgentCase):
