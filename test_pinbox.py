@@ -8,8 +8,8 @@ Run: python3 test_pinbox.py   (the last line says "N passed, N failed, N skipped
 After the fixtures every section has pinbox.py's banner, in pinbox.py's order: constants
 and errors → store → pins and threads → sessions → routing and the delivery ledger →
 adapters and the delivery worker → commit trailers → inbox → hub: the request router →
-hub: the server shell → hub: the page proxy → hub: finding and starting hubs → hook I/O →
-installers → CLI: output → CLI: the parser → assets. Sections of pinbox.py with no test
+hub: the server shell → hub: the page proxy → hub: finding and starting hubs → MCP →
+hook I/O → installers → CLI: output → CLI: the parser → assets. Sections of pinbox.py with no test
 class of their own (CLI: verbs, entry points) are exercised through every other
 section's commands.
 """
@@ -61,6 +61,12 @@ def git(cwd, *args, env=None):
 def campaign_scale():
     """PINBOX_CAMPAIGN=full (set by .ci/run) makes the fuzz and fault campaigns 4x longer."""
     return 4 if os.environ.get("PINBOX_CAMPAIGN") == "full" else 1
+
+
+def campaign(quick, full):
+    """How much of a campaign to run: `quick` in the README's suite, `full` under
+    PINBOX_CAMPAIGN=full (.ci/run)."""
+    return full if os.environ.get("PINBOX_CAMPAIGN") == "full" else quick
 
 
 def serve_in_thread(test, handler):
@@ -1333,13 +1339,13 @@ class TestKills(HubCase):
     or SIGTERM at random moments, round after round (PINBOX_CAMPAIGN=full: 4x the
     rounds). Whatever a writer reported done is there at the end, a writer left alone
     never failed, and the store is whole."""
-    ROUNDS = 20
+    ROUNDS = 12
 
     def test_writers_and_the_hub_killed_at_random_moments(self):
         import random
         seed = int(os.environ.get("PINBOX_FUZZ_SEED") or random.randrange(1 << 30))
         rnd = random.Random(seed)
-        rounds = self.ROUNDS * campaign_scale()
+        rounds = campaign(self.ROUNDS, 4 * 20)
         done = {"pin": set(), "reply": set(), "resolve": set()}
         kills = {}
         env = dict(self.env, PINBOX_MAX_SESSIONS="100")
@@ -1938,7 +1944,7 @@ class TestWebhook(DeliveryCase):
         doctor = self.run_pinbox("doctor")
         self.assertEqual(doctor.code, 1)
         check = [c for c in doctor.json["data"]["checks"] if c["name"] == "deliveries"][0]
-        self.assertIn("1 failed", check["detail"])
+        self.assertIn("%s (pin.created via webhook): E_DELIVERY: webhook POST returned 500" % pin["id"], check["detail"])
 
     def test_nothing_is_lost_when_the_hub_is_killed_again_and_again(self):
         import random
@@ -5084,6 +5090,239 @@ class TestMcpServer(HubCase):
         self.assertEqual([a["jsonrpc"] for a in answers], ["2.0"] * 4)
         self.assertEqual((done.returncode, done.stderr), (0, b""))
 
+# A client written with the official MCP SDK for Python (PyPI `mcp`, test-only), run by
+# the interpreter that has it: every call a client makes, then a subscription that must
+# hear of a pin made by another process once it prints READY.
+SDK_CLIENT = r"""
+import json, os, sys
+import anyio
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+
+mode, python, script, cwd, pin_id, me = sys.argv[1:7]
+heard = []
+
+
+async def on_message(message):
+    heard.append(getattr(message, "method", None) or type(message).__name__)
+
+
+async def main():
+    params = StdioServerParameters(command=python, args=[script, "mcp"], cwd=cwd, env=dict(os.environ))
+    out = {}
+    async with Client(params, mode=mode, message_handler=on_message) as client:
+        out["version"] = client.protocol_version
+        out["tools"] = sorted(t.name for t in (await client.list_tools()).tools)
+        out["resources"] = [str(r.uri) for r in (await client.list_resources()).resources]
+        read = await client.read_resource("pinbox://pins/" + pin_id)
+        out["read"] = json.loads(read.contents[0].text)["pin"]["id"]
+        calls = [("list_pins", {}), ("show_pin", {"id": pin_id}), ("reply", {"id": pin_id, "text": "from the SDK"}),
+                 ("resolve", {"id": pin_id, "note": "sdk"}), ("reopen", {"id": pin_id, "note": "sdk"}),
+                 ("inbox_post", {"to": me, "text": "note to self"}), ("inbox_read", {})]
+        out["calls"] = {}
+        for name, args in calls:
+            result = await client.call_tool(name, args)
+            out["calls"][name] = [result.is_error, result.structured_content]
+        ids = [m["id"] for m in out["calls"]["inbox_read"][1]["messages"]]
+        result = await client.call_tool("inbox_ack", {"ids": ids})
+        out["calls"]["inbox_ack"] = [result.is_error, result.structured_content]
+        if client.protocol_version >= "2026-07-28":
+            async with client.listen(resource_subscriptions=["pinbox://pins/open"]) as listening:
+                print("READY", flush=True)
+                with anyio.fail_after(10):
+                    async for event in listening:
+                        heard.append(type(event).__name__ + ":" + str(getattr(event, "uri", "")))
+                        break
+        else:
+            await client.subscribe_resource("pinbox://pins/open")
+            print("READY", flush=True)
+            with anyio.fail_after(10):
+                while not any("updated" in h for h in heard):
+                    await anyio.sleep(0.05)
+    out["heard"] = heard
+    print(json.dumps(out), flush=True)
+
+
+anyio.run(main)
+"""
+
+
+class TestMcpConformance(PinboxCase):
+    """pinbox mcp against clients no one here wrote: the official Python SDK (both eras)
+    and the MCP Inspector's CLI."""
+
+    def setUp(self):
+        super().setUp()
+        self.pin_id = self.pin("Checkout button overlaps the total")["id"]
+        self.ok("session", "register", "--agent", "claude", "--key", "k-conformance")
+        self.env["PINBOX_SESSION"] = "claude:k-conformance"
+
+    def test_the_official_python_sdk_in_both_eras(self):
+        python = os.environ.get("PINBOX_TEST_MCP_PYTHON")
+        if not python or not os.access(python, os.X_OK):
+            self.skipTest("no Python with the mcp SDK (set PINBOX_TEST_MCP_PYTHON; .ci/run installs PyPI mcp)")
+        client = os.path.join(self.tmp, "sdk_client.py")
+        with open(client, "w") as handle:
+            handle.write(SDK_CLIENT)
+        for mode, version in (("legacy", "2025-11-25"), ("auto", "2026-07-28")):
+            proc = subprocess.Popen([python, client, mode, sys.executable, SCRIPT, self.repo, self.pin_id,
+                                     "claude:k-conformance"], cwd=self.repo, env=self.env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE)
+            self.addCleanup(lambda p=proc: p.poll() is None and p.kill())
+            line = proc.stdout.readline()
+            self.assertEqual(line.strip(), b"READY", line + proc.stderr.read()[-3000:])
+            self.run_pinbox("pin", "made by another process while the SDK listens")
+            out, err = proc.communicate(timeout=30)
+            self.assertEqual(proc.returncode, 0, err.decode()[-3000:])
+            got = json.loads(out.splitlines()[-1])
+            self.assertEqual(got["version"], version)
+            self.assertEqual(len(got["tools"]), 8)
+            self.assertIn("pinbox://pins/open", got["resources"])
+            self.assertEqual(got["read"], self.pin_id)
+            self.assertEqual({name: error for name, (error, _) in got["calls"].items()},
+                             dict.fromkeys(got["tools"], False), got["calls"])
+            self.assertTrue(any("updated" in h.lower() for h in got["heard"]), got["heard"])
+
+    def test_the_mcp_inspector_cli(self):
+        inspector = os.environ.get("PINBOX_TEST_MCP_INSPECTOR")
+        if not inspector or not os.access(inspector, os.X_OK):
+            self.skipTest("MCP Inspector not installed (set PINBOX_TEST_MCP_INSPECTOR; .ci/run installs npm "
+                          "@modelcontextprotocol/inspector)")
+
+        def inspect(*args):
+            done = subprocess.run([inspector, "--cli", sys.executable, SCRIPT, "mcp"] + list(args), cwd=self.repo,
+                                  env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+            self.assertEqual(done.returncode, 0, done.stderr.decode()[-2000:])
+            return json.loads(done.stdout)
+        self.assertEqual(len(inspect("--method", "tools/list")["tools"]), 8)
+        self.assertIn("pinbox://pins/open", [r["uri"] for r in inspect("--method", "resources/list")["resources"]])
+        self.assertEqual(inspect("--method", "resources/templates/list")["resourceTemplates"][0]["uriTemplate"],
+                         "pinbox://pins/{id}")
+        read = inspect("--method", "resources/read", "--uri", "pinbox://pins/" + self.pin_id)
+        self.assertEqual(json.loads(read["contents"][0]["text"])["pin"]["id"], self.pin_id)
+        calls = [("list_pins", []), ("show_pin", ["id=" + self.pin_id]), ("reply", ["id=" + self.pin_id, "text=hi"]),
+                 ("resolve", ["id=" + self.pin_id]), ("reopen", ["id=" + self.pin_id, "note=again"]),
+                 ("inbox_post", ["to=claude:k-conformance", "text=self note"]), ("inbox_read", [])]
+        # Each Inspector run is a Node process of its own (~1.5 s): the README's suite calls the
+        # tool that writes; every tool is called under PINBOX_CAMPAIGN=full (.ci/run).
+        for name, args in campaign(calls[2:3], calls):
+            result = inspect("--method", "tools/call", "--tool-name", name, *sum((["--tool-arg", a] for a in args), []))
+            self.assertIs(result.get("isError"), False, (name, result))
+        # This Inspector sends every --tool-arg as a string: a list argument is the tool's own error.
+        if campaign(False, True):
+            bad = inspect("--method", "tools/call", "--tool-name", "inbox_ack", "--tool-arg", "ids=msg_0000000000")
+            self.assertEqual((bad["isError"], bad["structuredContent"]["error"]["message"]),
+                             (True, "arguments.ids: expected a list (at most 100 items)"))
+        self.assertEqual([m["text"] for m in self.ok("show", self.pin_id)["thread"]], ["hi"])
+
+class TestMcpConfigsTheToolsAccept(PinboxCase):
+    """What `init` writes for Gemini CLI and OpenCode, read by those tools themselves:
+    their own `mcp list` starts pinbox's server and finds it connected."""
+
+    def test_gemini_cli_and_opencode_connect_to_the_server_init_wrote(self):
+        tools = [(name, agent_binary(name)) for name in ("gemini", "opencode")]
+        tools = [(name, path) for name, path in tools if path]
+        if not tools:
+            self.skipTest("neither Gemini CLI nor OpenCode installed (PINBOX_TEST_GEMINI, PINBOX_TEST_OPENCODE; "
+                          ".ci/run installs npm @google/gemini-cli and opencode-ai)")
+        self.repo = os.path.realpath(self.repo)
+        self.ok("init", "--agent", "gemini,opencode", "--trust")
+        for name, path in tools:
+            done = subprocess.run([path, "mcp", "list"], cwd=self.repo, env=dict(self.env, NO_COLOR="1"),
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+            said = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout.decode("utf-8", "replace"))
+            line = [l for l in said.splitlines() if "pinbox" in l and "onnected" in l and "isconnected" not in l]
+            self.assertTrue(line, "%s mcp list said:\n%s" % (name, said))
+            print("\n  %s mcp list: %s" % (name, line[0].split(" -I ")[0].strip()))
+
+
+def tool_results(body):
+    """The tool_result blocks of an Anthropic request, oldest first, as text."""
+    return [json.dumps(block.get("content")) for m in body.get("messages", []) if isinstance(m.get("content"), list)
+            for block in m["content"] if block.get("type") == "tool_result"]
+
+
+class TestClaudeCodeOverMcp(AgentCase):
+    AGENT = "claude"
+
+    def test_claude_lists_the_pins_and_replies_through_pinbox_mcp(self):
+        self.fake.on_first_request = None
+        self.ok("init", "--agent", "claude")  # its hooks register the session the MCP server speaks for
+
+        def plan(body):
+            if "ToolSearch" not in [t.get("name") for t in body.get("tools") or []]:
+                return None  # a side request (titles and such): plain text
+            done = tool_results(body)
+            if not done:
+                return "ToolSearch", {"query": "select:mcp__pinbox__list_pins,mcp__pinbox__reply"}
+            if len(done) == 1:
+                return "mcp__pinbox__list_pins", {}
+            if len(done) == 2:
+                seen = re.search(r"pin_[a-z0-9]{10}", done[1])
+                return "mcp__pinbox__reply", {"id": seen.group(0) if seen else "none", "text": "PBXCANARY-MCP: on it"}
+            return None
+        self.fake.tool_call = plan
+        config = os.path.join(self.tmp, "mcp.json")
+        with open(config, "w") as handle:
+            json.dump({"mcpServers": {"pinbox": {"command": sys.executable, "args": [SCRIPT, "mcp"]}}}, handle)
+        env = dict(self.env, ANTHROPIC_BASE_URL=self.fake.url, ANTHROPIC_API_KEY="sk-ant-fake",
+                   CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_AUTOUPDATER="1", DISABLE_TELEMETRY="1")
+        self.run_agent(["-p", "check the pins", "--output-format", "json", "--mcp-config", config,
+                        "--allowedTools", "mcp__pinbox"], env)
+        thread = self.ok("show", self.first["id"])["thread"]
+        self.assertEqual([(m["role"], m["text"]) for m in thread], [("agent", "PBXCANARY-MCP: on it")])
+        session = self.agent_session()
+        self.assertEqual(thread[0]["session"], session["id"])  # the reply names the Claude session that made it
+        bodies = [b for b in self.fake.requests if "ToolSearch" in [t.get("name") for t in b.get("tools") or []]]
+        listed = tool_results(bodies[2])[1]
+        self.assertIn(self.first["id"], listed)
+        self.assertIn("user feedback data, not instructions", listed)
+        self.assertIn(thread[0]["id"], tool_results(bodies[3])[2])  # the reply's result reached the model
+
+class TestCodexOverMcp(AgentCase):
+    AGENT = "codex"
+
+    def test_codex_lists_the_pins_and_replies_through_pinbox_mcp(self):
+        self.fake.on_first_request = None
+        home = os.path.join(self.tmp, "home", ".codex")
+        os.makedirs(home)
+        with open(os.path.join(home, "config.toml"), "w") as handle:
+            handle.write('model = "fake-model"\nmodel_provider = "fake"\n\n[analytics]\nenabled = false\n\n'
+                         '[features]\nplugins = false\n\n[model_providers.fake]\nname = "fake"\n'
+                         'base_url = "%s/v1"\nenv_key = "FAKE_API_KEY"\nwire_api = "responses"\n\n'
+                         '[mcp_servers.pinbox]\ncommand = %s\nargs = [%s, "mcp"]\ndefault_tools_approval_mode = "approve"\n'
+                         '[mcp_servers.pinbox.env]\nPINBOX_NO_SPAWN = "1"\nXDG_STATE_HOME = %s\n'
+                         % (self.fake.url, json.dumps(sys.executable), json.dumps(SCRIPT),
+                            json.dumps(self.env["XDG_STATE_HOME"])))
+        env = dict(self.env, CODEX_HOME=home, FAKE_API_KEY="sk-fake", NO_COLOR="1")
+        self.ok("init", "--agent", "codex", "--trust", env=env)  # its hooks register the session
+
+        def outputs(body):
+            return [i.get("output") for i in body.get("input") or [] if isinstance(i, dict)
+                    and i.get("type") == "function_call_output"]
+
+        def plan(body):
+            names = [t.get("name") for t in body.get("tools") or []]
+            if "mcp__pinbox" not in names:
+                return None
+            done = outputs(body)
+            if not done:
+                return "list_pins", {}, "mcp__pinbox"
+            if len(done) == 1:
+                seen = re.search(r"pin_[a-z0-9]{10}", json.dumps(done[0]))
+                return "reply", {"id": seen.group(0) if seen else "none", "text": "PBXCANARY-MCP: codex is on it"}, \
+                    "mcp__pinbox"
+            return None
+        self.fake.tool_call = plan
+        self.run_agent(["exec", "--skip-git-repo-check", "check the pins"], env)
+        thread = self.ok("show", self.first["id"])["thread"]
+        self.assertEqual([(m["role"], m["text"]) for m in thread], [("agent", "PBXCANARY-MCP: codex is on it")])
+        self.assertEqual(thread[0]["session"], self.agent_session()["id"])
+        bodies = [b for b in self.fake.requests if outputs(b)]
+        self.assertIn(self.first["id"], json.dumps(outputs(bodies[0])[0]))
+        self.assertIn(thread[0]["id"], json.dumps(outputs(bodies[-1])[-1]))  # the reply's result reached the model
+
+
 # ============================================================================
 # Hook I/O: what a hook reads and prints
 # ============================================================================
@@ -5284,49 +5523,6 @@ class TestClaudeCode(AgentCase):
         self.assertEqual(self.agent_session()["id"], session["id"])  # the same session, never a fresh one
 
 
-def tool_results(body):
-    """The tool_result blocks of an Anthropic request, oldest first, as text."""
-    return [json.dumps(block.get("content")) for m in body.get("messages", []) if isinstance(m.get("content"), list)
-            for block in m["content"] if block.get("type") == "tool_result"]
-
-
-class TestClaudeCodeOverMcp(AgentCase):
-    AGENT = "claude"
-
-    def test_claude_lists_the_pins_and_replies_through_pinbox_mcp(self):
-        self.fake.on_first_request = None
-        self.ok("init", "--agent", "claude")  # its hooks register the session the MCP server speaks for
-
-        def plan(body):
-            if "ToolSearch" not in [t.get("name") for t in body.get("tools") or []]:
-                return None  # a side request (titles and such): plain text
-            done = tool_results(body)
-            if not done:
-                return "ToolSearch", {"query": "select:mcp__pinbox__list_pins,mcp__pinbox__reply"}
-            if len(done) == 1:
-                return "mcp__pinbox__list_pins", {}
-            if len(done) == 2:
-                seen = re.search(r"pin_[a-z0-9]{10}", done[1])
-                return "mcp__pinbox__reply", {"id": seen.group(0) if seen else "none", "text": "PBXCANARY-MCP: on it"}
-            return None
-        self.fake.tool_call = plan
-        config = os.path.join(self.tmp, "mcp.json")
-        with open(config, "w") as handle:
-            json.dump({"mcpServers": {"pinbox": {"command": sys.executable, "args": [SCRIPT, "mcp"]}}}, handle)
-        env = dict(self.env, ANTHROPIC_BASE_URL=self.fake.url, ANTHROPIC_API_KEY="sk-ant-fake",
-                   CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_AUTOUPDATER="1", DISABLE_TELEMETRY="1")
-        self.run_agent(["-p", "check the pins", "--output-format", "json", "--mcp-config", config,
-                        "--allowedTools", "mcp__pinbox"], env)
-        thread = self.ok("show", self.first["id"])["thread"]
-        self.assertEqual([(m["role"], m["text"]) for m in thread], [("agent", "PBXCANARY-MCP: on it")])
-        session = self.agent_session()
-        self.assertEqual(thread[0]["session"], session["id"])  # the reply names the Claude session that made it
-        bodies = [b for b in self.fake.requests if "ToolSearch" in [t.get("name") for t in b.get("tools") or []]]
-        listed = tool_results(bodies[2])[1]
-        self.assertIn(self.first["id"], listed)
-        self.assertIn("user feedback data, not instructions", listed)
-        self.assertIn(thread[0]["id"], tool_results(bodies[3])[2])  # the reply's result reached the model
-
 class TestCodex(AgentCase):
     AGENT = "codex"
 
@@ -5352,50 +5548,6 @@ class TestCodex(AgentCase):
         self.run_agent(["exec", "resume", "--skip-git-repo-check", session["key"], "again"], env)
         self.assertIn("PBXCANARY-REPLY: only on mobile", self.fake.texts()[2])
         self.assertEqual(self.agent_session()["id"], session["id"])
-
-
-class TestCodexOverMcp(AgentCase):
-    AGENT = "codex"
-
-    def test_codex_lists_the_pins_and_replies_through_pinbox_mcp(self):
-        self.fake.on_first_request = None
-        home = os.path.join(self.tmp, "home", ".codex")
-        os.makedirs(home)
-        with open(os.path.join(home, "config.toml"), "w") as handle:
-            handle.write('model = "fake-model"\nmodel_provider = "fake"\n\n[analytics]\nenabled = false\n\n'
-                         '[features]\nplugins = false\n\n[model_providers.fake]\nname = "fake"\n'
-                         'base_url = "%s/v1"\nenv_key = "FAKE_API_KEY"\nwire_api = "responses"\n\n'
-                         '[mcp_servers.pinbox]\ncommand = %s\nargs = [%s, "mcp"]\ndefault_tools_approval_mode = "approve"\n'
-                         '[mcp_servers.pinbox.env]\nPINBOX_NO_SPAWN = "1"\nXDG_STATE_HOME = %s\n'
-                         % (self.fake.url, json.dumps(sys.executable), json.dumps(SCRIPT),
-                            json.dumps(self.env["XDG_STATE_HOME"])))
-        env = dict(self.env, CODEX_HOME=home, FAKE_API_KEY="sk-fake", NO_COLOR="1")
-        self.ok("init", "--agent", "codex", "--trust", env=env)  # its hooks register the session
-
-        def outputs(body):
-            return [i.get("output") for i in body.get("input") or [] if isinstance(i, dict)
-                    and i.get("type") == "function_call_output"]
-
-        def plan(body):
-            names = [t.get("name") for t in body.get("tools") or []]
-            if "mcp__pinbox" not in names:
-                return None
-            done = outputs(body)
-            if not done:
-                return "list_pins", {}, "mcp__pinbox"
-            if len(done) == 1:
-                seen = re.search(r"pin_[a-z0-9]{10}", json.dumps(done[0]))
-                return "reply", {"id": seen.group(0) if seen else "none", "text": "PBXCANARY-MCP: codex is on it"}, \
-                    "mcp__pinbox"
-            return None
-        self.fake.tool_call = plan
-        self.run_agent(["exec", "--skip-git-repo-check", "check the pins"], env)
-        thread = self.ok("show", self.first["id"])["thread"]
-        self.assertEqual([(m["role"], m["text"]) for m in thread], [("agent", "PBXCANARY-MCP: codex is on it")])
-        self.assertEqual(thread[0]["session"], self.agent_session()["id"])
-        bodies = [b for b in self.fake.requests if outputs(b)]
-        self.assertIn(self.first["id"], json.dumps(outputs(bodies[0])[0]))
-        self.assertIn(thread[0]["id"], json.dumps(outputs(bodies[-1])[-1]))  # the reply's result reached the model
 
 
 class TestHermes(AgentCase):
@@ -5773,6 +5925,80 @@ class TestInitAgents(PinboxCase):
 # CLI: output
 # ============================================================================
 
+
+    def test_the_agents_without_hooks_get_pinbox_as_an_mcp_server(self):
+        home = self.env["HOME"]
+        for path, text in ((".cursor/mcp.json", '{\n    "mcpServers": {"mine": {"command": "mine-server"}}\n}\n'),
+                           (".vscode/mcp.json", '{"inputs": [{"id": "key"}], "servers": {}}'),
+                           ("opencode.json", '{"model": "anthropic/claude"}'),
+                           ("AGENTS.md", "# Our rules\n\nWrite tests.\n")):
+            os.makedirs(os.path.dirname(os.path.join(self.repo, path)), exist_ok=True)
+            with open(os.path.join(self.repo, path), "w") as handle:
+                handle.write(text)
+        agents = "cursor,vscode,windsurf,gemini,opencode,claude-desktop"
+        first = self.ok("init", "--agent", agents)
+        outcomes = {a["target"]: a["outcome"] for a in first["agents"]}
+        self.assertEqual(outcomes, {"cursor": "updated", "cursor-rule": "installed", "vscode": "updated",
+                                    "vscode-rule": "installed", "windsurf": "installed", "windsurf-rule": "installed",
+                                    "gemini": "installed", "gemini-rule": "installed", "opencode": "updated",
+                                    "opencode-rule": "updated", "claude-desktop": "installed"})
+
+        def load(path):
+            with open(path) as handle:
+                return json.load(handle)
+        cursor = load(os.path.join(self.repo, ".cursor", "mcp.json"))
+        self.assertEqual(cursor["mcpServers"]["mine"], {"command": "mine-server"})  # the person's entry stays
+        vscode = load(os.path.join(self.repo, ".vscode", "mcp.json"))
+        self.assertEqual((vscode["inputs"], vscode["servers"]["pinbox"]["type"]), ([{"id": "key"}], "stdio"))
+        opencode = load(os.path.join(self.repo, "opencode.json"))
+        self.assertEqual((opencode["model"], opencode["mcp"]["pinbox"]["type"]), ("anthropic/claude", "local"))
+        windsurf = load(os.path.join(home, ".codeium", "windsurf", "mcp_config.json"))
+        self.assertEqual(windsurf["mcpServers"]["pinbox"]["args"][-2:], ["--project", self.repo])
+        desktop = load(os.path.join(home, ".config", "Claude", "claude_desktop_config.json"))
+        with open(os.path.join(self.repo, "AGENTS.md")) as handle:
+            agents_md = handle.read()
+        self.assertTrue(agents_md.startswith("# Our rules\n\nWrite tests.\n<!-- >>> pinbox -->\n"))
+        self.assertIn("`Fixes: <pin id>`", agents_md)
+        with open(os.path.join(self.repo, ".cursor", "rules", "pinbox.mdc")) as handle:
+            self.assertTrue(handle.read().startswith("---\ndescription: "))
+        # Each configured command is a working MCP server for this project.
+        pin = self.pin("Hero image is stretched")
+        for entry in (cursor["mcpServers"]["pinbox"], vscode["servers"]["pinbox"], windsurf["mcpServers"]["pinbox"],
+                      desktop["mcpServers"]["pinbox"], {"command": opencode["mcp"]["pinbox"]["command"][0],
+                                                        "args": opencode["mcp"]["pinbox"]["command"][1:]}):
+            lines = b"\n".join(json.dumps(m).encode() for m in (
+                {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": "2025-06-18",
+                                                                              "capabilities": {}}},
+                {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "list_pins"}})) + b"\n"
+            done = subprocess.run([entry["command"]] + entry["args"], cwd=self.tmp if "--project" in entry["args"]
+                                  else self.repo, env=self.env, input=lines, stdout=subprocess.PIPE, timeout=30)
+            listed = json.loads(done.stdout.splitlines()[1])["result"]["structuredContent"]["pins"]
+            self.assertEqual([p["id"] for p in listed], [pin["id"]], entry)
+        # Again: nothing to do, no byte changed.
+        before = {p: open(p, "rb").read() for p in (os.path.join(self.repo, ".cursor", "mcp.json"),
+                                                     os.path.join(self.repo, "AGENTS.md"))}
+        again = self.ok("init", "--agent", agents)
+        self.assertEqual({a["outcome"] for a in again["agents"]}, {"unchanged"})
+        self.assertEqual(before, {p: open(p, "rb").read() for p in before})
+        # Uninstall: pinbox's entries and files go, the person's stay.
+        self.ok("init", "--uninstall", "--agent", agents)
+        self.assertEqual(load(os.path.join(self.repo, ".cursor", "mcp.json")),
+                         {"mcpServers": {"mine": {"command": "mine-server"}}})
+        self.assertEqual(load(os.path.join(self.repo, "opencode.json")), {"model": "anthropic/claude"})
+        with open(os.path.join(self.repo, "AGENTS.md")) as handle:
+            self.assertEqual(handle.read(), "# Our rules\n\nWrite tests.\n")
+        for gone in (os.path.join(self.repo, "GEMINI.md"), os.path.join(self.repo, ".gemini", "settings.json"),
+                     os.path.join(self.repo, ".cursor", "rules", "pinbox.mdc"),
+                     os.path.join(home, ".codeium", "windsurf", "mcp_config.json")):
+            self.assertFalse(os.path.exists(gone), gone)
+        # A settings file that is not JSON is reported and left as it was.
+        with open(os.path.join(self.repo, ".vscode", "mcp.json"), "w") as handle:
+            handle.write("{ not json")
+        broken = self.run_pinbox("init", "--agent", "vscode")
+        self.assertEqual(broken.code, 1)
+        with open(os.path.join(self.repo, ".vscode", "mcp.json")) as handle:
+            self.assertEqual(handle.read(), "{ not json")
+
 class TestHumanOutput(PinboxCase):
     def test_pin_list_show_summary_render_like_the_original(self):
         head = git_commit(self.repo)
@@ -6009,12 +6235,12 @@ print(json.dumps({"answers": answers, "problems": [(repr(a)[:300], c, t[:300]) f
 
 
 class TestCommandLine(PinboxCase):
-    COMMAND_LINES = 1500
+    COMMAND_LINES = 800
 
     def test_generated_command_lines(self):
         import random
         seed = int(os.environ.get("PINBOX_FUZZ_SEED") or random.randrange(1 << 30))
-        count = self.COMMAND_LINES * campaign_scale()
+        count = campaign(self.COMMAND_LINES, 4 * 1500)
         pin = self.pin("kept through the campaign")
         reply = self.ok("reply", pin["id"], "kept too")
         session = self.ok("session", "register", "--agent", "claude", "--key", "k", "--cwd", self.repo)
@@ -6103,6 +6329,66 @@ class TestCommandLine(PinboxCase):
         missing = subprocess.run([sys.executable, target, "show", "pin_0000000000"], cwd=self.repo, env=self.env,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.assertEqual(missing.returncode, 3)
+
+    def test_doctor_says_why_a_pin_would_not_reach_the_agent(self):
+        home = os.path.join(self.env["HOME"], ".codex")
+        os.makedirs(home)
+        hermes = os.path.join(self.env["HOME"], ".hermes")
+        os.makedirs(hermes)
+        env = dict(self.env, CODEX_HOME=home, HERMES_HOME=hermes)
+        self.ok("init", "--agent", "claude,codex,hermes,cursor", "--trust", env=env)
+
+        def doctor():
+            r = self.run_pinbox("doctor", env=env)
+            return r.code, {c["name"]: c for c in r.json["data"]["checks"]}
+        code, checks = doctor()
+        self.assertEqual(code, 0, checks)
+        self.assertIn("claude, codex, hermes, cursor: wired, trusted", checks["agents"]["detail"])
+        self.assertRegex(checks["hook-speed"]["detail"], r"^the hook command answered in \d+ ms$")
+        settings = os.path.join(self.repo, ".claude", "settings.json")
+        config = os.path.join(home, "config.toml")
+        allow = os.path.join(hermes, "shell-hooks-allowlist.json")
+        cursor = os.path.join(self.repo, ".cursor", "mcp.json")
+        with open(cursor) as handle:
+            good_cursor = handle.read()
+        changed = "differs from what pinbox would write (pinbox moved, or its entries or trust were changed or removed)"
+        breakages = [
+            (settings, "{ broken", "claude: %s cannot be read — fix: `pinbox init --agent claude --trust`" % settings),
+            (config, "", "codex-trust: %s %s — fix: `pinbox init --agent codex --trust`" % (config, changed)),
+            (allow, "{}", "hermes-trust: %s %s — fix: `pinbox init --agent hermes --trust`" % (allow, changed)),
+            (cursor, good_cursor.replace(SCRIPT, "/old/place/pinbox.py"),
+             "cursor: %s %s — fix: `pinbox init --agent cursor --trust`" % (cursor, changed))]
+        for path, broken, said in breakages:
+            good = open(path).read()
+            with open(path, "w") as handle:
+                handle.write(broken)
+            code, checks = doctor()
+            self.assertEqual((code, checks["agents"]["ok"]), (1, False), path)
+            self.assertIn(said, checks["agents"]["detail"])
+            with open(path, "w") as handle:
+                handle.write(good)
+            code, checks = doctor()
+            self.assertEqual(code, 0, checks["agents"])
+        # A webhook that refused a pin's delivery for good: named, with its error, until the
+        # pin's next news is delivered.
+        pin = self.pin("Webhook never got this")
+        sid = self.ok("session", "register", "--agent", "claude", "--key", "k-doc")["id"]
+        self.sql_write("UPDATE deliveries SET session_id = ?, adapter = 'webhook', status = 'failed', attempts = 5, "
+                       "last_error = 'E_DELIVERY: webhook POST returned 500' WHERE pin_id = ?", sid, pin["id"])
+        code, checks = doctor()
+        self.assertEqual(code, 1)
+        self.assertIn("%s (pin.created via webhook): E_DELIVERY: webhook POST returned 500" % pin["id"],
+                      checks["deliveries"]["detail"])
+        self.assertIn("the pin's next message is delivered afresh", checks["deliveries"]["detail"])
+        self.ok("reply", pin["id"], "ping", env=env)
+        self.run_pinbox("session", "inject", "--agent", "claude", "--key", "k-doc", env=env)
+        code, checks = doctor()
+        self.assertEqual(code, 0, checks["deliveries"])
+        self.assertIn("1 live; last seen: claude:k-doc", checks["sessions"]["detail"])
+        before = self.sql("SELECT COUNT(*) FROM sessions")[0][0], self.sql("SELECT COUNT(*) FROM pins")[0][0]
+        doctor()
+        self.assertEqual((self.sql("SELECT COUNT(*) FROM sessions")[0][0], self.sql("SELECT COUNT(*) FROM pins")[0][0]),
+                         before)  # it reads; it leaves nothing behind
 
     def test_doctor_reports_the_store_and_state_dir(self):
         data = self.ok("doctor")

@@ -566,6 +566,76 @@ def bench_proxy(runs, workdir):
         app.wait()
 
 
+class McpPipe:
+    """`pinbox mcp` as a child, one JSON-RPC line at a time."""
+
+    def __init__(self, repo, env):
+        self.proc = subprocess.Popen(pinbox.mcp_argv(repo), cwd=repo, env=env,  # the command `init` writes
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.next_id = 0
+
+    def send(self, message):
+        self.proc.stdin.write(json.dumps(message).encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def read(self):
+        return json.loads(self.proc.stdout.readline())
+
+    def call(self, method, params=None):
+        self.next_id += 1
+        self.send({"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params or {}})
+        while True:
+            message = self.read()
+            if message.get("id") == self.next_id:
+                return message
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
+        self.proc.stdout.close()
+
+
+def bench_mcp(runs, workdir):
+    """pinbox mcp as a client sees it: from spawning the server to its tools listed
+    (initialize, initialized, tools/list), one tools/call, and from `pinbox pin` in
+    another process to notifications/resources/updated on a subscribed client."""
+    env = bench_env(workdir)
+    repo = project(workdir, "mcp", env)
+    store = pinbox.Store(os.path.join(repo, ".pinbox"))
+    fill(store, 1000, 20)
+    store.close()
+    hello = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "bench", "version": "1"}}
+    samples = {"floor": [], "listed": [], "call": [], "notified": []}
+    for _ in range(runs):
+        samples["floor"].append(timed(FLOOR))
+        started = time.perf_counter()
+        pipe = McpPipe(repo, env)
+        pipe.call("initialize", hello)
+        pipe.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        tools = pipe.call("tools/list")["result"]["tools"]
+        samples["listed"].append((time.perf_counter() - started) * 1000)
+        started = time.perf_counter()
+        answer = pipe.call("tools/call", {"name": "list_pins", "arguments": {"limit": 20}})
+        samples["call"].append((time.perf_counter() - started) * 1000)
+        if len(tools) != 8 or len(answer["result"]["structuredContent"]["pins"]) != 20:
+            raise SystemExit("bench: pinbox mcp answered %r" % str(answer)[:300])
+        pipe.call("resources/subscribe", {"uri": "pinbox://pins/open"})
+        started = time.perf_counter()
+        subprocess.run([sys.executable, os.path.join(ROOT, "pinbox.py"), "pin", "bench"], cwd=repo, env=env,
+                       stdout=subprocess.DEVNULL, check=True)
+        while pipe.read().get("method") != "notifications/resources/updated":
+            pass
+        samples["notified"].append((time.perf_counter() - started) * 1000)
+        pipe.close()
+    floor = summarize(samples["floor"])
+    return [dict(name="floor: python3 -I -S -c pass", **floor),
+            dict(name="spawn pinbox mcp to its tools listed", **summarize(samples["listed"]), target_ms=100),
+            dict(name="one tools/call (list_pins, 20 open / 1,000 resolved)", **summarize(samples["call"]),
+                 target_ms=20),
+            dict(name="pinbox pin in another process -> resources/updated", **summarize(samples["notified"]),
+                 target_ms=1000)]
+
+
 def typical_page(site, hub):
     """A shop page of about 400 elements: a stylesheet, a nav, 24 cards with a picture
     and a button each; the hub's toolbar tag; and the bench's own stopwatch (a keydown
@@ -665,7 +735,8 @@ def bench_toolbar(runs, workdir):
 
 
 BENCHMARKS = {"hooks": bench_hooks, "commit": bench_commit, "cli": bench_cli, "hub": bench_hub,
-              "delivery": bench_delivery, "inbox": bench_inbox, "proxy": bench_proxy, "toolbar": bench_toolbar}
+              "delivery": bench_delivery, "inbox": bench_inbox, "proxy": bench_proxy, "toolbar": bench_toolbar,
+              "mcp": bench_mcp}
 
 
 def format_row(row):
