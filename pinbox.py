@@ -5049,16 +5049,19 @@ def mcp_argv(root, project=False):
     return pinbox_argv(["mcp"] + (["--project", root] if project else []), gone)
 
 
-def mcp_entry(section, entry):
-    """A `change` for plan_json: pinbox's server under config[section]["pinbox"]."""
+def mcp_entry(section, entry, key="pinbox"):
+    """A `change` for plan_json: `entry` under config[section][key] (or config[key]
+    when there is no section)."""
     def change(config, uninstall):
-        servers = config.get(section, {})
+        servers = config.get(section, {}) if section else config
         if not isinstance(servers, dict):
             raise ValueError('"%s" is not an object' % section)
         if uninstall:
-            servers.pop("pinbox", None)
+            servers.pop(key, None)
         else:
-            servers["pinbox"] = entry
+            servers[key] = entry
+        if not section:
+            return
         if servers:
             config[section] = servers
         else:
@@ -5066,8 +5069,8 @@ def mcp_entry(section, entry):
     return change
 
 
-def plan_mcp_json(name, path, section, entry, uninstall):
-    change = mcp_entry(section, entry)
+def plan_mcp_json(name, path, section, entry, uninstall, key="pinbox"):
+    change = mcp_entry(section, entry, key)
     return plan_json(name, path, lambda config: change(config, uninstall), uninstall, drop_empty=True)
 
 
@@ -5111,10 +5114,19 @@ def plan_windsurf(root, uninstall=False, trust=False):
 
 
 def plan_gemini(root, uninstall=False, trust=False):
+    """Gemini CLI reads a project's settings (and so its MCP servers) only in a folder the
+    person trusts: --trust records that in its trustedFolders.json."""
     argv = mcp_argv(root)
-    return [plan_mcp_json("gemini", os.path.join(root, ".gemini", "settings.json"), "mcpServers",
-                          {"command": argv[0], "args": argv[1:], "cwd": root}, uninstall),
-            plan_instruction_block("gemini-rule", os.path.join(root, "GEMINI.md"), uninstall)]
+    plans = [plan_mcp_json("gemini", os.path.join(root, ".gemini", "settings.json"), "mcpServers",
+                           {"command": argv[0], "args": argv[1:], "cwd": root}, uninstall),
+             plan_instruction_block("gemini-rule", os.path.join(root, "GEMINI.md"), uninstall)]
+    trusted = os.path.join(os.path.expanduser("~"), ".gemini", "trustedFolders.json")
+    if trust or uninstall:
+        plans.append(plan_mcp_json("gemini-trust", trusted, None, "TRUST_FOLDER", uninstall, key=root))
+    elif plans[0].outcome in ("installed", "updated", "unchanged"):
+        plans[0].notes.append("Gemini CLI loads a project's MCP servers only in a trusted folder: trust %s when it "
+                              "asks, or run `pinbox init --agent gemini --trust` to record it in %s" % (root, trusted))
+    return plans
 
 
 def plan_opencode(root, uninstall=False, trust=False):
