@@ -5029,6 +5029,70 @@ def plan_hermes_allowlist(uninstall):
 
 
 _HERMES_VERB = {event: verb for event, verb in HERMES_HOOKS}
+
+
+def openclaw_state():
+    return os.environ.get("OPENCLAW_STATE_DIR") or os.path.join(os.path.expanduser("~"), ".openclaw")
+
+
+# An OpenClaw internal hook: on every agent turn (agent:bootstrap, heartbeats included)
+# it registers the turn's session with pinbox, detached and silent, so that pins reach it.
+OPENCLAW_HANDLER = """// pinbox: registers each OpenClaw session with the pinbox project %(root)s
+// when its turn starts (pinbox init --agent openclaw wrote this; --uninstall removes it).
+import { spawn } from "node:child_process";
+
+const PINBOX = %(argv)s;
+const PROJECT = %(root_json)s;
+
+export default function handler(event) {
+  try {
+    const key = event.sessionKey || (event.context && event.context.sessionKey);
+    if (event.type !== "agent" || event.action !== "bootstrap" || typeof key !== "string" || !key) return;
+    const child = spawn(PINBOX[0], PINBOX.slice(1).concat(["--key", key]),
+      { cwd: PROJECT, detached: true, stdio: "ignore" });
+    child.on("error", () => {});  // pinbox gone or broken: the agent's turn goes on
+    child.unref();
+  } catch (err) {
+    // never in the agent's way
+  }
+}
+"""
+
+
+def plan_openclaw(root, uninstall=False, trust=False):
+    """OpenClaw sessions register themselves: a hook of pinbox's in OpenClaw's managed
+    hooks folder (one per project), enabled in its config."""
+    import hashlib
+    import json
+    name = "pinbox-" + hashlib.sha256(root.encode("utf-8")).hexdigest()[:8]
+    folder = os.path.join(openclaw_state(), "hooks", name)
+    argv = pinbox_argv(["session", "register", "--agent", "openclaw", "--cwd", root])
+    hook_md = ("---\nname: %s\ndescription: \"Registers OpenClaw sessions with pinbox (%s)\"\nmetadata:\n"
+               "  { \"openclaw\": { \"events\": [\"agent:bootstrap\"] } }\n---\n\n# pinbox\n\nEvery agent turn "
+               "registers its session key with the pinbox project at %s, so pins dropped on its app reach the "
+               "next heartbeat. Written by `pinbox init --agent openclaw`.\n" % (name, root, root))
+    handler = OPENCLAW_HANDLER % {"root": root, "argv": json.dumps(argv), "root_json": json.dumps(root)}
+    config = os.environ.get("OPENCLAW_CONFIG_PATH") or os.path.join(openclaw_state(), "openclaw.json")
+
+    def enable(settings):
+        hooks = settings.setdefault("hooks", {})
+        internal = hooks.setdefault("internal", {}) if isinstance(hooks, dict) else None
+        entries = internal.setdefault("entries", {}) if isinstance(internal, dict) else None
+        if not isinstance(entries, dict):
+            raise ValueError('"hooks.internal.entries" is not an object')
+        if uninstall:
+            entries.pop(name, None)
+            for parent, key, child in ((internal, "entries", entries), (hooks, "internal", internal),
+                                       (settings, "hooks", hooks)):
+                if not child:
+                    parent.pop(key, None)
+        else:
+            entries[name] = {"enabled": True}
+    return [plan_rule_file("openclaw-hook", os.path.join(folder, "HOOK.md"), hook_md, uninstall),
+            plan_rule_file("openclaw-handler", os.path.join(folder, "handler.js"), handler, uninstall),
+            plan_json("openclaw", config, enable, uninstall)]
+
+
 # --- MCP installers: the agents without pinbox hooks ---------------------------------
 # Each gets pinbox's MCP server in its own configuration file (its documented place and
 # shape) and, where it reads one, a short instruction in the form it reads.
@@ -5149,7 +5213,8 @@ def plan_claude_desktop(root, uninstall=False, trust=False):
                           {"command": argv[0], "args": argv[1:]}, uninstall)]
 
 
-AGENT_INSTALLERS = {"claude": plan_claude, "codex": plan_codex, "hermes": plan_hermes, "cursor": plan_cursor,
+AGENT_INSTALLERS = {"claude": plan_claude, "codex": plan_codex, "hermes": plan_hermes, "openclaw": plan_openclaw,
+                    "cursor": plan_cursor,
                     "vscode": plan_vscode, "windsurf": plan_windsurf, "gemini": plan_gemini,
                     "opencode": plan_opencode, "claude-desktop": plan_claude_desktop}
 
@@ -5859,9 +5924,12 @@ def probe_deliveries(ctx):
 
 def wired_agents(root):
     """The agents `init` wired in this project: an uninstall would find something of
-    pinbox's to take out (or a settings file it cannot read)."""
+    pinbox's to take out, or a settings file of the project's own it cannot read (a
+    person's global config that pinbox cannot parse says nothing about this project)."""
+    def wired(plan):
+        return plan.outcome == "removed" or (plan.outcome == "failed" and plan.path.startswith(root + os.sep))
     return [agent for agent, installer in AGENT_INSTALLERS.items()
-            if any(plan.outcome in ("removed", "failed") for plan in installer(root, uninstall=True))]
+            if any(wired(plan) for plan in installer(root, uninstall=True))]
 
 
 def probe_agents(ctx):
@@ -6204,8 +6272,8 @@ def build_parser():
     p = verb("init", "set up pinbox in this project: .pinbox/, .gitignore, the post-commit hook", "[options]")
     p.add_argument("--dry-run", action="store_true", help="say what would change, change nothing")
     p.add_argument("--yes", action="store_true", help="accept the defaults without asking")
-    p.add_argument("--agent", help="wire these agents: comma-separated claude, codex, hermes (hooks), cursor, vscode, "
-                                   "windsurf, gemini, opencode, claude-desktop (MCP), or none")
+    p.add_argument("--agent", help="wire these agents: comma-separated claude, codex, hermes, openclaw (hooks), cursor, "
+                                   "vscode, windsurf, gemini, opencode, claude-desktop (MCP), or none")
     p.add_argument("--trust", action="store_true",
                    help="also record that you trust the hooks pinbox writes (Codex and Hermes skip untrusted hooks)")
     p.add_argument("--uninstall", action="store_true", help="take pinbox's hooks out again (the store stays)")
