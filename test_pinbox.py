@@ -1144,10 +1144,10 @@ class TestStore(PinboxCase):
         self.pin("warm up the store")  # the schema exists before the race starts
         worker = ("import sys, io, contextlib; sys.path.insert(0, %r); import pinbox\n"
                   "codes = []\n"
-                  "for i in range(100):\n"
+                  "for i in range(%d):\n"
                   "    with contextlib.redirect_stdout(io.StringIO()):\n"
                   "        codes.append(pinbox.run(['pin', 'race %%s-%%d' %% (sys.argv[1], i), '--json']))\n"
-                  "sys.exit(max(codes))\n" % HERE)
+                  "sys.exit(max(codes))\n" % (HERE, campaign(50, 100)))
         procs = [subprocess.Popen([sys.executable, "-c", worker, str(w)], cwd=self.repo, env=self.env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for w in range(8)]
         outputs = [p.communicate(timeout=120) for p in procs]
@@ -1155,10 +1155,10 @@ class TestStore(PinboxCase):
             self.assertEqual(proc.returncode, 0, err)
             self.assertNotIn(b"locked", out + err)
         rows = self.sql("SELECT id, n FROM pins")
-        self.assertEqual(len(rows), 801)
-        self.assertEqual(len({r[0] for r in rows}), 801)
-        self.assertEqual(sorted(r[1] for r in rows), list(range(1, 802)))
-        self.assertEqual(self.sql("SELECT COUNT(*) FROM events WHERE type = 'pin.created'")[0][0], 801)
+        total = 8 * campaign(50, 100) + 1
+        self.assertEqual((len(rows), len({r[0] for r in rows})), (total, total))
+        self.assertEqual(sorted(r[1] for r in rows), list(range(1, total + 1)))
+        self.assertEqual(self.sql("SELECT COUNT(*) FROM events WHERE type = 'pin.created'")[0][0], total)
         self.assertEqual(self.sql("PRAGMA integrity_check")[0][0], "ok")
 
 
@@ -1977,12 +1977,12 @@ class TestWebhook(DeliveryCase):
         store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
         pins = [pinbox.create_pin(store, {"text": "crash test %d" % i, "agentSession": {"agent": "claude",
                                                                                      "key": "k-ended"}})["id"]
-                for i in range(500)]
+                for i in range(campaign(300, 500))]
         store.close()
         seed = random.randrange(1 << 30)
         chance = random.Random(seed)
         print("\n  crash test seed %d" % seed)
-        for kill in range(20):
+        for kill in range(campaign(12, 20)):
             self.start_hub()
             time.sleep(chance.uniform(0.05, 0.4))
             self.proc.kill()  # SIGKILL: no cleanup at all
@@ -1996,9 +1996,10 @@ class TestWebhook(DeliveryCase):
         self.assertEqual(set(received), set(pins))
         self.assertTrue(all(len(ids) == 1 for ids in received.values()))  # a duplicate is a re-send, same id
         duplicates = len(got) - len(pins)
-        self.assertLessEqual(duplicates, 20 * 16)  # at most what was in flight at each kill
+        self.assertLessEqual(duplicates, campaign(12, 20) * 16)  # at most what was in flight at each kill
         self.assertTrue(all(r["valid"] for r in got))
-        print("  500 events, 20 kill -9: all received, %d re-sent (in flight at a kill)" % duplicates)
+        print("  %d events, %d kill -9: all received, %d re-sent (in flight at a kill)" % (len(pins), campaign(12, 20),
+                                                                               duplicates))
 
 
 # Two hubs, one after the other, in one process (pinbox.run as a library): the first

@@ -487,6 +487,15 @@ server.serve_forever()
 """
 
 
+def end_bench(saved_env, *procs):
+    """Puts the environment back and stops what a bench started (its hub, its app)."""
+    os.environ.clear()
+    os.environ.update(saved_env)
+    for proc in procs:
+        proc.terminate()
+        proc.wait()
+
+
 def bench_proxy(runs, workdir):
     """The page proxy of `pinbox open` beside the app alone, run for run: one static asset
     on a new connection, and the assets 8 clients that keep their connections open (as a
@@ -558,12 +567,7 @@ def bench_proxy(runs, workdir):
                      "errors": 0, "target_per_second": round(0.8 * rates["direct"])})
         return rows
     finally:
-        os.environ.clear()
-        os.environ.update(old)
-        proc.terminate()
-        proc.wait()
-        app.terminate()
-        app.wait()
+        end_bench(old, proc, app)
 
 
 class McpPipe:
@@ -726,12 +730,7 @@ def bench_toolbar(runs, workdir):
         return rows
     finally:
         browser.close()
-        os.environ.clear()
-        os.environ.update(old)
-        proc.terminate()
-        proc.wait()
-        app.terminate()
-        app.wait()
+        end_bench(old, proc, app)
 
 
 BENCHMARKS = {"hooks": bench_hooks, "commit": bench_commit, "cli": bench_cli, "hub": bench_hub,
