@@ -4259,13 +4259,11 @@ class McpServer:
             return {"protocolVersion": self.version,
                     "capabilities": {"tools": {"listChanged": False}, "resources": {"subscribe": True, "listChanged": True}},
                     "serverInfo": {"name": "pinbox", "version": VERSION}, "instructions": self.instructions()}
-        if method == "ping":
-            return {}
         if method not in MCP_METHODS:
             raise McpFault(-32601, "method not found: %s" % method[:100])
-        if self.version is None:
+        if self.version is None and method != "ping":  # ping is answered before initialize too
             raise McpFault(-32602, "initialize first (or name the revision in _meta)")
-        return self.method(method, params, self.version, rid)
+        return self.method(method, params, self.version or MCP_LEGACY[0], rid)
 
     def method(self, method, params, version, rid):
         if method not in MCP_METHODS or (version in MCP_MODERN and method in ("resources/subscribe",
@@ -4398,7 +4396,7 @@ class McpServer:
     def t_show_pin(self, args):
         import base64
         pin = get_pin(self.store, args["id"])
-        media = real_folder(os.path.join(self.store.directory, "media"))
+        media = os.path.realpath(real_folder(os.path.join(self.store.directory, "media")))
         images = []
         for a in pin.get("attachments") or ():
             path = a.get("path") if isinstance(a, dict) else None
@@ -5626,7 +5624,8 @@ def cmd_init(ctx):
     if args.dry_run:
         notes.append("dry run: nothing was written")
     report["notes"] = notes
-    facts = "\n".join("%s  %s  %s" % ("no" if detail.startswith(("kept", "failed")) else "ok", label.ljust(10), detail)
+    width = max([10] + [len(label) for label, _ in lines])
+    facts = "\n".join("%s  %s  %s" % ("no" if detail.startswith(("kept", "failed")) else "ok", label.ljust(width), detail)
                       for label, detail in lines)
     ctx.out.result(report, facts, "\n".join(notes) or None)
     return 1 if any(plan.outcome == "failed" for plan in plans) else 0
@@ -8144,7 +8143,14 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       if (location.pathname !== lastPath) { lastPath = location.pathname; renderMarkers(); } else schedule();
       if ((ui.thread || ui.drawer) && document.visibilityState === 'visible') refreshProgress(ui.drawer ? null : state.threadId);
     }), 1000);
-    window.addEventListener('pagehide', () => { if (state.es) state.es.close(); state.es = null; clearTimeout(state.retryTimer); });
+    window.addEventListener('pagehide', () => {
+      if (state.es) state.es.close();
+      state.es = null;
+      clearTimeout(state.retryTimer);
+      // A tab capture is kept for the page's later pins, never past the page.
+      if (state.tabStream) for (const track of state.tabStream.getTracks()) track.stop();
+      state.tabStream = null;
+    });
     window.addEventListener('pageshow', (e) => { if (e.persisted) connect(); });  // back/forward cache
     try { if (localStorage.getItem('pinbox.minimized') === 'true') setMinimized(true); } catch (err) { /* storage blocked */ }
     outbox('readonly', (s) => s.count()).then((n) => { state.waiting = n || 0; showOffline(); }, () => {});

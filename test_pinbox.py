@@ -5011,6 +5011,24 @@ class TestMcpProtocol(unittest.TestCase):
         answers = [json.loads(line) for line in out.getvalue().splitlines()]
         self.assertEqual([(a.get("id"), a.get("error", {}).get("code")) for a in answers], [(1, None), (None, -32600), (2, None)])
 
+    def test_screenshots_are_shown_from_a_store_reached_through_a_symlink(self):
+        real = os.path.join(self.tmp, "real-store")
+        os.makedirs(os.path.join(real, "media"))
+        os.symlink(real, os.path.join(self.tmp, "linked"))  # PINBOX_DIR=…/linked, say
+        store = pinbox.Store(os.path.join(self.tmp, "linked"))
+        self.addCleanup(store.close)
+        path = os.path.join(self.tmp, "linked", "media", "att_0000000001.png")  # as the hub names it
+        with open(path, "wb") as handle:
+            handle.write(PNG_1PX)
+        pin = pinbox.create_pin(store, {"text": "logo", "attachments": [
+            {"id": "att_0000000001", "kind": "screenshot", "path": path, "contentType": "image/png"}]})
+        server = pinbox.McpServer(self.tmp, store, io.BytesIO())
+        server.handle_line(json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                                       "params": {"protocolVersion": "2025-11-25", "capabilities": {}}}).encode())
+        shown = server.handle_line(json.dumps({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+            "name": "show_pin", "arguments": {"id": pin["id"]}}}).encode())["result"]
+        self.assertEqual([c["type"] for c in shown["content"]], ["text", "image"])
+
     def test_the_schema_of_a_tool_is_made_from_its_validation_spec(self):
         self.assertEqual(pinbox.json_schema({"ids": (("list", "string"), True), "n": ("integer", False)}),
                          {"type": "object", "properties": {"ids": {"type": "array", "items": {"type": "string"}},
@@ -6768,7 +6786,8 @@ class TestToolbarInChromium(HubCase):
         other = self.foreign_picture(make_png(80, 60, (0, 160, 0)))
         url = self.page("/tab", "<!doctype html><meta charset=utf-8><title>Tab</title><script>window.asked = 0;"
                         "const real = navigator.mediaDevices.getDisplayMedia.bind(navigator.mediaDevices);"
-                        "navigator.mediaDevices.getDisplayMedia = (o) => { window.asked++; return real(o); };</script>"
+                        "navigator.mediaDevices.getDisplayMedia = (o) => { window.asked++; return real(o).then(s => "
+                        "(window.stream = s)); };</script>"
                         "<body style='margin:40px'><img id=cat src=%s width=80 height=60><p><button id=b1>One</button>"
                         "<button id=b2>Two</button></p>" % other)
         b = self.browser
@@ -6793,6 +6812,9 @@ class TestToolbarInChromium(HubCase):
             self.assertTrue(green[1] > 120 and green[0] < 60 and green[2] < 60, green)  # what a page copy leaves blank
             self.assertFalse(b.evaluate(self.in_shadow("!!root.querySelector('[data-pinbox=\"composer\"]')")))
         self.assertEqual(b.evaluate("window.asked"), 1)  # asked once for this page load
+        self.assertEqual(b.evaluate("window.stream.getTracks().map(t => t.readyState).join()"), "live")
+        b.evaluate("window.dispatchEvent(new PageTransitionEvent('pagehide')), 1")
+        self.assertEqual(b.evaluate("window.stream.getTracks().map(t => t.readyState).join()"), "ended")  # not past the page
 
     def test_markers_move_with_scrolling_and_the_theme_follows_the_system(self):
         url = self.page("/long", "<!doctype html><meta charset=utf-8><title>Long</title><body style='margin:20px'>"
