@@ -3329,11 +3329,12 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
         except OSError:
             server = server_class(("127.0.0.1", 0), handler_class, hub)  # taken: any free port
         bound = hub.port = server.server_address[1]
+        # Before hub.json exists: a signal sent as soon as it appears must still clean up.
+        handle_stop_signals(hub, server)
         write_file(port_path, "%d\n" % bound, private=True)
         write_file(hub_json, json.dumps({"pid": os.getpid(), "port": bound, "token": hub.token,
                                          "version": VERSION}, indent=2) + "\n", private=True)
         write_file(server_json, json.dumps({"port": bound}, indent=2) + "\n")
-        handle_stop_signals(hub, server)
         owner = "hub-%d-%s" % (os.getpid(), new_id("ses")[4:])
         for target, args in ((hub.watch, (hub.stopping,)), (delivery_worker, (hub, hub.stopping, owner)),
                              (watch_idle, (hub, server))):

@@ -4759,6 +4759,21 @@ class TestHubLifecycle(HubCase):
         self.assertEqual(r.json["data"]["text"], "stored anyway")
         self.assertEqual(len(r.err.splitlines()), 1)
 
+    def test_a_signal_the_moment_hub_json_appears_still_cleans_up(self):
+        self.stop_hub(self.proc)
+        hub_json = os.path.join(self.state, "hub.json")
+        env = dict(self.env, PINBOX_IDLE_MS=self.IDLE_MS)
+        for _ in range(10):
+            proc = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=self.repo, env=env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.addCleanup(self.stop_hub, proc)
+            deadline = time.monotonic() + 10  # hang guard
+            while not os.path.exists(hub_json) and time.monotonic() < deadline:
+                pass  # no sleep: the signal lands as close to the write as a test can send it
+            proc.terminate()
+            self.assertEqual(proc.wait(timeout=10), 0)
+            self.assertFalse(os.path.exists(hub_json))
+
     def test_a_hub_stops_even_when_its_store_breaks_as_the_signal_arrives(self):
         os.rename(self.db_path, self.db_path + ".moved")
         os.mkdir(self.db_path)  # every connection the stop would open fails
