@@ -36,6 +36,7 @@ ERRORS = {
     "E_AUTH": (11, 401),
     "E_FORBIDDEN": (12, 403),
     "E_SESSION_BUSY": (13, 429),
+    "E_REMOTE": (14, 502),  # the git remote pins sync through refused or did not answer
 }
 EXIT_CODES = {code: exit_status for code, (exit_status, _) in ERRORS.items()}
 HTTP_STATUS = {code: http_status for code, (_, http_status) in ERRORS.items()}
@@ -384,6 +385,22 @@ MIGRATIONS = {
         "ALTER TABLE deliveries ADD COLUMN pin_id TEXT",
         "CREATE INDEX IF NOT EXISTS deliveries_pin ON deliveries(pin_id)",
     ],
+    # Sync through git: the settings and clock, every event of the shared record (this
+    # device's and the others'), the heads imported, each local binding (an event that
+    # travels), and a message's place in its thread that every machine agrees on.
+    10: [
+        "CREATE TABLE IF NOT EXISTS sync_settings(key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS sync_events(id TEXT PRIMARY KEY, device TEXT NOT NULL, clock INTEGER NOT NULL,"
+        " pin_id TEXT, type TEXT NOT NULL, seq INTEGER, body TEXT NOT NULL, applied INTEGER NOT NULL)",
+        "CREATE INDEX IF NOT EXISTS sync_events_pin ON sync_events(pin_id, clock, device, id)",
+        "CREATE INDEX IF NOT EXISTS sync_events_device ON sync_events(device, clock)",
+        "CREATE INDEX IF NOT EXISTS sync_events_seq ON sync_events(seq)",
+        "CREATE INDEX IF NOT EXISTS sync_events_parked ON sync_events(applied) WHERE applied = 0",
+        "CREATE TABLE IF NOT EXISTS sync_imports(ref TEXT PRIMARY KEY, commit_sha TEXT NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS bindings(id INTEGER PRIMARY KEY AUTOINCREMENT, pin_id TEXT NOT NULL,"
+        " after_seq INTEGER NOT NULL, ref TEXT NOT NULL, at TEXT NOT NULL)",
+        "ALTER TABLE thread_messages ADD COLUMN sort_key TEXT",
+    ],
 }
 SCHEMA_VERSION = max(MIGRATIONS)
 
@@ -729,7 +746,8 @@ def search_pin_ids(store, query):
 def get_thread(store, pin_id):
     with store.guard():
         rows = store.conn.execute(
-            "SELECT json FROM thread_messages WHERE pin_id = ? ORDER BY rowid", (pin_id,)).fetchall()
+            "SELECT json FROM thread_messages WHERE pin_id = ? ORDER BY COALESCE(sort_key, '~'), rowid",
+            (pin_id,)).fetchall()
     return [json_loads(raw) for (raw,) in rows]
 
 
@@ -1092,6 +1110,11 @@ def deliverable_pin(kind, payload):
     return None
 
 
+def event_pin_id(kind, payload):
+    """The pin any event is about."""
+    return payload.get("pinId") if kind == "thread.message" else payload.get("id")
+
+
 def route_event(conn, seq, kind, payload):
     if kind == "pin.resolved":
         # What nobody claimed need not reach anyone now; a reopen is routed afresh.
@@ -1103,16 +1126,24 @@ def route_event(conn, seq, kind, payload):
         insert_delivery(conn, seq, None, None, "none", "skipped")
         return
     session = target_session(conn, pin)
-    if session is None:
+    if session is REMOTE:
+        insert_delivery(conn, seq, pin_id, None, "remote", "skipped")  # its session lives on another machine
+    elif session is None:
         insert_delivery(conn, seq, pin_id, None, "none", "pending")  # unassigned: the next session claims it
     else:
         insert_delivery(conn, seq, pin_id, session["id"], *first_adapter(session))
 
 
+REMOTE = {"id": None}  # target_session's answer for a pin owned by another machine's session
+
+
 def target_session(conn, pin):
     """Sticky routing: a pin's bound session wins (registered again if it was
-    forgotten); else the most recently seen live session, bound to the pin now."""
+    forgotten; REMOTE when it lives on another machine); else the most recently seen
+    live session, bound to the pin now."""
     ref = pin.get("agentSession")
+    if is_remote(ref):
+        return REMOTE
     if ref and ref.get("agent") in AGENTS and ref.get("key"):
         session = find_session(conn, ref["agent"], ref["key"])
         if session is None:
@@ -1130,6 +1161,8 @@ def bind_pin(conn, pin, session):
         ref["cwd"] = session["cwd"]
     pin["agentSession"] = ref
     _save_pin(conn, pin)
+    conn.execute("INSERT INTO bindings(pin_id, after_seq, ref, at) VALUES (?, ?, ?, ?)",
+                 (pin["id"], last_seq(conn), dumps_compact(ref), iso_time()))
 
 
 def _which(name):
@@ -1202,6 +1235,10 @@ def claim_unassigned(conn, session):
             target = target_session(conn, pin)
         else:
             bind_pin(conn, pin, session)
+        if target is REMOTE:
+            conn.execute("UPDATE deliveries SET adapter = 'remote', status = 'skipped', updated_at = ? WHERE id = ?",
+                         (iso_time(), row_id))
+            continue
         adapter, status, due = first_adapter(target)
         conn.execute("UPDATE deliveries SET session_id = ?, adapter = ?, status = ?, due_at = ?, updated_at = ? "
                      "WHERE id = ?", (target["id"], adapter, status, due, iso_time(), row_id))
@@ -1225,8 +1262,10 @@ def mark_delivered(conn, row_ids):
 
 
 def open_pins(conn):
+    """The open pins an agent here is shown: not those another machine's session owns."""
     return [json_loads(raw) for (raw,) in conn.execute(
-        "SELECT json FROM pins WHERE status = 'open' ORDER BY n DESC, rowid DESC")]
+        "SELECT json FROM pins WHERE status = 'open' AND json_extract(json, '$.agentSession.device') IS NULL "
+        "ORDER BY n DESC, rowid DESC")]
 
 
 class Arrivals:
@@ -1238,7 +1277,7 @@ class Arrivals:
         self.messages = []
         for _row_id, _seq, kind, raw in rows:
             payload = json_loads(raw)
-            pin = find_pin(conn, deliverable_pin(kind, payload))
+            pin = find_pin(conn, event_pin_id(kind, payload))
             if pin is None:
                 continue
             if kind == "pin.created":
@@ -1314,7 +1353,7 @@ def deliveries_for_pin(store, pin_id):
     with store.guard():
         rows = delivery_rows(store.conn, "WHERE instr(e.payload, ?) > 0 ORDER BY d.id", ('"%s"' % pin_id,))
     return [row for row, payload in rows
-            if (payload.get("pinId") if row["event"] == "thread.message" else payload.get("id")) == pin_id]
+            if event_pin_id(row["event"], payload) == pin_id]
 
 
 def stuck_deliveries(conn, limit=5):
@@ -1464,6 +1503,11 @@ def message_block(kind, payload, pin, home=""):
     locus = pin_locus(pin)
     about = "[%s] %s%s%s" % (pin.get("status"), flat(locus) + " — " if locus else "", flat(pin.get("text", ""))[:300],
                              page_and_files(pin, home))
+    if kind == "pin.moved":
+        owner = pin.get("agentSession") or {}
+        return ("Pinbox: pin %s moved to %s session %s on %s, which claimed it first — leave it to them. (%s)"
+                % (pin["id"], owner.get("agent"), flat(str(owner.get("key")))[:80],
+                   flat(owner.get("host") or "another machine")[:80], about))
     if kind == "pin.verified":
         head = "Pinbox: a human reopened pin %s (rejected the fix) — %s." % (pin["id"], about)
         text = (payload.get("verification") or {}).get("note") or "(no note given)"
@@ -2211,6 +2255,650 @@ def unread_mail_line(store, session_id):
         return None
     return ("Pinbox inbox: %d unread message(s) from other sessions — read them with `pinbox agent inbox` "
             "(ack each when done: `pinbox agent ack <id>`)." % unseen)
+
+
+# ============================================================================
+# Sync: the record in the repository's own git refs
+# ============================================================================
+
+# Each store is a device. It appends its events to a ref nothing else writes,
+# refs/pinbox/devices/<device>: a chain of commits, each holding one batch (`events`,
+# a JSON line per event, and `media/`, the batch's screenshots), so a push never
+# conflicts. Every device fetches the others' refs into refs/pinbox/fetched/<remote>/
+# and folds every event it has into its store in one total order (a Lamport clock,
+# then the device, then the event id): two stores that have seen the same events
+# agree. No branch, index or work tree is ever touched.
+SYNC_DEVICE_REFS = "refs/pinbox/devices/"
+SYNC_FETCHED_REFS = "refs/pinbox/fetched/"
+SYNCED_EVENTS = ("pin.created", "thread.message", "pin.resolved", "pin.verified")
+SYNC_MEDIA_LIMIT = 5 * 1024 * 1024  # the hub's own cap on an attachment: every screenshot travels
+SYNC_STATUS_KEYS = ("enabled", "remote", "device", "host", "lastSyncAt", "lastError", "waiting", "devices")
+
+
+def sync_setting(conn, key, default=None):
+    row = conn.execute("SELECT value FROM sync_settings WHERE key = ?", (key,)).fetchone()
+    return row[0] if row else default
+
+
+def set_sync_settings(conn, **values):
+    conn.executemany("INSERT INTO sync_settings(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET "
+                     "value = excluded.value", [(k, str(v)) for k, v in values.items()])
+
+
+def event_order(event):
+    return event["clock"], event["device"], event["id"]
+
+
+def is_remote(ref):
+    """Whether a pin's binding names a session on another machine: only an imported
+    binding carries the device it was made on."""
+    return bool(isinstance(ref, dict) and ref.get("device"))
+
+
+def outgoing(conn, kind, payload):
+    """What of a local event travels: not this machine's pin number nor the paths of
+    its files; a resolution or a verdict as just itself (the pin is folded again there)."""
+    if kind == "pin.created":
+        data = {k: v for k, v in payload.items() if k not in ("n", "machine")}
+        if data.get("attachments"):
+            data["attachments"] = [{k: v for k, v in a.items() if k != "path"} for a in data["attachments"]
+                                   if isinstance(a, dict)]
+        return data
+    if kind == "thread.message":
+        data = {k: v for k, v in payload.items() if k != "machine"}
+        found = get_session(conn, payload.get("session")) if payload.get("session") else None
+        if found:
+            data["agentSession"] = {"agent": found["agent"], "key": found["key"]}
+        return data
+    if kind == "pin.bound":
+        return payload
+    field = "resolution" if kind == "pin.resolved" else "verification"
+    return {"id": payload.get("id"), field: payload.get(field)}
+
+
+def stage_local_events(conn, device):
+    """Gives each local event and binding not yet in the shared record its clock, in
+    the order they happened here: after everything this store had seen, as a Lamport
+    clock must. Runs in the sync's own short transaction, before anything is imported."""
+    clock = int(sync_setting(conn, "clock", "0"))
+    done_seq = int(sync_setting(conn, "stagedSeq", "0"))
+    done_binding = int(sync_setting(conn, "stagedBinding", "0"))
+    if done_seq == 0 and done_binding == 0:
+        # Pins bound before this store first synced have no binding row yet.
+        for pin_id, raw in conn.execute("SELECT id, json FROM pins WHERE json_extract(json, '$.agentSession') "
+                                        "IS NOT NULL AND id NOT IN (SELECT pin_id FROM bindings)").fetchall():
+            ref = json_loads(raw)["agentSession"]
+            conn.execute("INSERT INTO bindings(pin_id, after_seq, ref, at) VALUES (?, ?, ?, ?)",
+                         (pin_id, last_seq(conn), dumps_compact(ref), iso_time()))
+    imported = set(r[0] for r in conn.execute("SELECT seq FROM sync_events WHERE seq > ? AND device != ?",
+                                              (done_seq, device)))
+    items = []
+    for seq, kind, at, raw in conn.execute("SELECT seq, type, at, payload FROM events WHERE seq > ? ORDER BY seq",
+                                           (done_seq,)):
+        done_seq = seq
+        if kind in SYNCED_EVENTS and seq not in imported:
+            items.append((seq, 0, seq, kind, at, json_loads(raw)))
+    for row_id, pin_id, after, ref, at in conn.execute(
+            "SELECT id, pin_id, after_seq, ref, at FROM bindings WHERE id > ? ORDER BY id", (done_binding,)):
+        done_binding = row_id
+        items.append((after, 1, row_id, "pin.bound", at, {"id": pin_id, "agentSession": json_loads(ref)}))
+    for _, is_binding, local_id, kind, at, payload in sorted(items, key=lambda item: item[:3]):
+        clock += 1
+        event = {"id": "%s.%d" % (device, clock), "clock": clock, "device": device, "type": kind, "at": at,
+                 "data": outgoing(conn, kind, payload)}
+        pin_id = event_pin_id(kind, payload)
+        conn.execute("INSERT INTO sync_events(id, device, clock, pin_id, type, seq, body, applied) "
+                     "VALUES (?, ?, ?, ?, ?, ?, ?, 1)", (event["id"], device, clock, pin_id, kind,
+                                                         None if is_binding else local_id, dumps_compact(event)))
+        if kind == "thread.message":
+            conn.execute("UPDATE thread_messages SET sort_key = ? WHERE id = ?", (sort_key(event), payload.get("id")))
+    set_sync_settings(conn, clock=clock, stagedSeq=done_seq, stagedBinding=done_binding)
+    return len(items)
+
+
+def sort_key(event):
+    """Where a message stands in its thread: the same place on every machine."""
+    return "%016d.%s.%s" % (event["clock"], event["device"], event["id"])
+
+
+# --- Git plumbing: every call bounded, none inside a transaction -----------------
+
+def sync_timeout():
+    return env_number("PINBOX_SYNC_TIMEOUT_MS", 120000) / 1000.0
+
+
+def git_call(root, args, data=None, env=None, children=None, remote=None):
+    """stdout (bytes) of one git command, run in its own process group (a hub that
+    stops ends it). A failure is a PinboxError: E_REMOTE naming the remote for a
+    fetch or push, E_INTERNAL otherwise, with git's last words."""
+    import subprocess
+    full_env = dict(os.environ, GIT_TERMINAL_PROMPT="0", **(env or {}))
+    try:
+        proc = subprocess.Popen(["git"] + args, cwd=root, env=full_env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    except OSError as exc:
+        raise PinboxError("E_INTERNAL", "cannot run git: %s" % exc.strerror, "install git, then run `pinbox sync`")
+    if children is not None:
+        children.running.add(proc)
+    try:
+        out, err = proc.communicate(data, timeout=sync_timeout())
+    except subprocess.TimeoutExpired:
+        end_process_group(proc)
+        out, err = b"", b"no answer in %d s (PINBOX_SYNC_TIMEOUT_MS)" % sync_timeout()
+        proc.returncode = proc.returncode or -1
+    finally:
+        if children is not None:
+            children.running.discard(proc)
+    if proc.returncode != 0:
+        said = " ".join(err.decode("utf-8", "replace").split())[-400:] or "exit status %s" % proc.returncode
+        if remote is not None:
+            raise PinboxError("E_REMOTE", "git %s %s failed: %s" % (args[0], remote, said),
+                              "check the remote (`git remote -v`, `git ls-remote %s`) and run `pinbox sync` "
+                              "again; nothing local was lost" % remote)
+        raise PinboxError("E_INTERNAL", "git %s failed: %s" % (args[0], said))
+    return out
+
+
+def git_text(root, args, **kw):
+    return git_call(root, args, **kw).decode("utf-8", "replace")
+
+
+def ref_head(root, ref):
+    out = git_output(["rev-parse", "-q", "--verify", ref + "^{commit}"], root)
+    return out.strip() if out else None
+
+
+def head_clock(root, sha):
+    """The newest clock a device's ref holds (its head commit says so)."""
+    import re
+    found = re.search(r"^Pinbox-Clock: (\d+)$", git_text(root, ["log", "-1", "--format=%B", sha]), re.M)
+    return int(found.group(1)) if found else 0
+
+
+def git_dir(root):
+    """The repository's common git folder (worktrees share its refs), or None."""
+    out = git_output(["rev-parse", "--path-format=absolute", "--git-common-dir"], root)
+    return out.strip() if out else None
+
+
+def clear_stale_locks(root, *prefixes):
+    """Lock files a killed sync left on pinbox's own refs. Only pinbox writes these refs
+    and it holds the sync lock, so a lock file there is a dead sync's."""
+    folder = git_dir(root)
+    for prefix in prefixes:
+        base = os.path.join(folder, prefix)
+        for parent, _dirs, files in os.walk(base):
+            for name in files:
+                if name.endswith(".lock"):
+                    try:
+                        os.unlink(os.path.join(parent, name))
+                    except OSError:
+                        pass
+
+
+def author_env(root):
+    """Who a batch commit is by: the person's git identity, or pinbox on this host
+    when git has none (a commit must have one)."""
+    import socket
+    if git_output(["var", "GIT_AUTHOR_IDENT"], root):
+        return {}
+    who = {"name": "pinbox", "email": "pinbox@%s" % socket.gethostname()}
+    return {"GIT_AUTHOR_NAME": who["name"], "GIT_AUTHOR_EMAIL": who["email"],
+            "GIT_COMMITTER_NAME": who["name"], "GIT_COMMITTER_EMAIL": who["email"]}
+
+
+def sync_remote(root, wanted):
+    """The remote to sync with: the one named, else origin, else the only one."""
+    remotes = (git_output(["remote"], root) or "").split()
+    if wanted:
+        if wanted not in remotes:
+            raise PinboxError("E_INVALID_INPUT", "no git remote named %s" % wanted,
+                              "remotes here: %s" % (", ".join(remotes) or "none — add one with `git remote add`"))
+        return wanted
+    if not remotes:
+        raise PinboxError("E_REMOTE", "this repository has no git remote to sync pins through",
+                          "add the team's remote (`git remote add origin <url>`), then run `pinbox sync`")
+    if "origin" in remotes or len(remotes) == 1:
+        return "origin" if "origin" in remotes else remotes[0]
+    raise PinboxError("E_INVALID_INPUT", "this repository has several remotes and none is origin",
+                      "pick one: pinbox sync --remote <%s>" % "|".join(remotes))
+
+
+# --- One sync: stage, fetch, import, commit, push --------------------------------
+
+def commit_batch(root, store, device, host, children=None):
+    """Writes this device's events that its ref lacks as one commit on it. The ref
+    itself is the record of what was written: a sync killed before update-ref leaves
+    only loose objects, and the next one writes the same batch again."""
+    ref = SYNC_DEVICE_REFS + device
+    head = ref_head(root, ref)
+    done = head_clock(root, head) if head else 0
+    with store.guard():
+        rows = store.conn.execute("SELECT body FROM sync_events WHERE device = ? AND clock > ? ORDER BY clock",
+                                  (device, done)).fetchall()
+    if not rows:
+        return head, 0
+    import re
+    events = [json_loads(raw) for (raw,) in rows]
+    media = {}
+    folder = os.path.join(store.directory, "media")
+    for event in events:
+        for attachment in (event["data"].get("attachments") or ()) if event["type"] == "pin.created" else ():
+            name = str(attachment.get("url") or "")[len("/media/"):]
+            path = os.path.join(folder, name)
+            if re.fullmatch(MEDIA_NAME, name) and os.path.isfile(path) and not os.path.islink(path) \
+                    and os.path.getsize(path) <= SYNC_MEDIA_LIMIT:
+                media[name] = path
+    lines = "".join(dumps_compact(event) + "\n" for event in events).encode("utf-8")
+    entries = ["100644 blob %s\tevents\n" % git_text(root, ["hash-object", "-w", "--stdin"], data=lines).strip()]
+    if media:
+        names = sorted(media)
+        shas = git_text(root, ["hash-object", "-w", "--no-filters", "--stdin-paths"],
+                        data="".join(media[n] + "\n" for n in names).encode()).split()
+        tree = git_text(root, ["mktree"], data="".join("100644 blob %s\t%s\n" % pair for pair in zip(shas, names))
+                        .encode()).strip()
+        entries.append("040000 tree %s\tmedia\n" % tree)
+    tree = git_text(root, ["mktree"], data="".join(entries).encode()).strip()
+    message = "pinbox: %d event(s) from %s\n\nPinbox-Clock: %d\nPinbox-Host: %s\n" % (
+        len(events), host, events[-1]["clock"], host)
+    commit = git_text(root, ["commit-tree", tree, "-m", message] + (["-p", head] if head else []),
+                      env=author_env(root)).strip()
+    clear_stale_locks(root, ref)
+    git_call(root, ["update-ref", ref, commit, head or "0" * 40])
+    return commit, len(events)
+
+
+def read_objects(root, specs):
+    """The contents of `<commit>:<path>` objects, by spec, in one git process (None
+    for each that is missing)."""
+    if not specs:
+        return {}
+    out = git_call(root, ["cat-file", "--batch"], data="".join(s + "\n" for s in specs).encode("utf-8"))
+    found, at = {}, 0
+    for spec in specs:
+        end = out.index(b"\n", at)
+        header = out[at:end].split()
+        at = end + 1
+        if len(header) == 3 and header[2].isdigit():
+            size = int(header[2])
+            found[spec] = out[at:at + size]
+            at += size + 1
+        else:
+            found[spec] = None
+    return found
+
+
+def fetched_batches(root, store, remote, device):
+    """[(ref, head, [(author, host, events)])] of the other devices' refs with commits
+    not imported yet, oldest commit first."""
+    import re
+    listing = git_text(root, ["for-each-ref", "--format=%(refname) %(objectname)", SYNC_FETCHED_REFS + remote + "/"])
+    with store.guard():
+        done = dict(store.conn.execute("SELECT ref, commit_sha FROM sync_imports").fetchall())
+    out = []
+    for line in listing.splitlines():
+        ref, _, head = line.partition(" ")
+        if ref.rsplit("/", 1)[-1] == device or done.get(ref) == head:
+            continue
+        since = ["^" + done[ref]] if done.get(ref) and git_output(["cat-file", "-e", done[ref]], root) is not None \
+            else []
+        log = git_text(root, ["log", "-z", "--reverse", "--format=%H%x1f%an <%ae>%x1f%B", head] + since + ["--"])
+        commits = []
+        for entry in filter(None, log.split("\0")):
+            sha, author, body = (entry.split("\x1f", 2) + ["", ""])[:3]
+            host = re.search(r"^Pinbox-Host: (.+)$", body, re.M)
+            commits.append((sha.strip(), author, host.group(1).strip() if host else ""))
+        blobs = read_objects(root, ["%s:events" % sha for sha, _, _ in commits])
+        batches = []
+        for sha, author, host in commits:
+            events = []
+            for line_ in (blobs.get("%s:events" % sha) or b"").decode("utf-8", "replace").splitlines():
+                try:
+                    event = json_loads(line_)
+                except ValueError:
+                    continue
+                if valid_event(event):
+                    events.append(event)
+            batches.append((sha, author, host, events))
+        out.append((ref, head, batches))
+    return out
+
+
+def valid_event(event):
+    """An event another machine wrote is data from outside: its shape is checked
+    before anything of it is stored."""
+    return (isinstance(event, dict) and isinstance(event.get("id"), str) and isinstance(event.get("clock"), int)
+            and isinstance(event.get("device"), str) and event.get("type") in SYNCED_EVENTS + ("pin.bound",)
+            and isinstance(event.get("data"), dict) and isinstance(event["data"].get("id"), str)
+            and isinstance(event.get("at"), str))
+
+
+def import_media(root, store, batches):
+    """Writes the screenshots of new pins into this store's media folder (before the
+    pins: a sync killed between leaves a file nobody names, never a pin naming no file)."""
+    import re
+    folder = real_folder(os.path.join(store.directory, "media"))
+    wanted = {}
+    for sha, _author, _host, events in batches:
+        for event in events:
+            if event["type"] != "pin.created":
+                continue
+            for attachment in event["data"].get("attachments") or ():
+                name = str((attachment or {}).get("url") or "")[len("/media/"):] if isinstance(attachment, dict) else ""
+                if re.fullmatch(MEDIA_NAME, name) and not os.path.exists(os.path.join(folder, name)):
+                    wanted["%s:media/%s" % (sha, name)] = name
+    for spec, data in read_objects(root, sorted(wanted)).items():
+        if data is not None and len(data) <= SYNC_MEDIA_LIMIT:
+            write_file(os.path.join(folder, wanted[spec]), data, private=True)
+
+
+def apply_imported(store, ref_heads, batches, device):
+    """Folds the fetched events into the store in one transaction: each event once,
+    whatever order it came in; the heads imported are recorded in the same one."""
+    media = real_folder(os.path.join(store.directory, "media"))
+    incoming = {}
+    for sha, author, host, events in batches:
+        for event in events:
+            if event["device"] != device:
+                incoming.setdefault(event["id"], dict(event, author=author, host=host))
+    with store.write() as conn:
+        known = set()
+        ids = list(incoming)
+        for start in range(0, len(ids), 500):
+            chunk = ids[start:start + 500]
+            known.update(r[0] for r in conn.execute("SELECT id FROM sync_events WHERE id IN (%s)"
+                                                    % ",".join("?" * len(chunk)), chunk))
+        fresh = sorted((e for i, e in incoming.items() if i not in known), key=event_order)
+        clock = int(sync_setting(conn, "clock", "0"))
+        for event in fresh:
+            clock = max(clock, event["clock"])
+            conn.execute("INSERT INTO sync_events(id, device, clock, pin_id, type, seq, body, applied) "
+                         "VALUES (?, ?, ?, ?, ?, NULL, ?, 0)", (event["id"], event["device"], event["clock"],
+                                                                event_pin_id(event["type"], event["data"]), event["type"],
+                                                                dumps_compact(event)))
+        set_sync_settings(conn, clock=clock)
+        appended, touched = [], []
+        waiting = [json_loads(raw) for (raw,) in conn.execute(
+            "SELECT body FROM sync_events WHERE applied = 0 ORDER BY clock, device, id")]
+        for event in waiting:  # (an event whose pin has not come yet stays parked for a later sync)
+            if apply_event(conn, store, event, media, appended):
+                conn.execute("UPDATE sync_events SET applied = 1 WHERE id = ?", (event["id"],))
+                if event["type"] != "thread.message":
+                    touched.append(event["data"]["id"])
+        for pin_id in dict.fromkeys(touched):
+            refold_pin(conn, pin_id, appended)
+        for seq, kind, payload in sorted(appended, key=lambda a: a[0]):
+            route_event(conn, seq, kind, payload)
+        conn.executemany("INSERT INTO sync_imports(ref, commit_sha) VALUES (?, ?) ON CONFLICT(ref) DO UPDATE SET "
+                         "commit_sha = excluded.commit_sha", ref_heads)
+    return len(fresh)
+
+
+def machine_of(event):
+    return {"device": event["device"], "host": event.get("host") or "", "author": event.get("author") or ""}
+
+
+def apply_event(conn, store, event, media, appended):
+    """Stores one imported event; False when the pin it is about has not arrived."""
+    data, kind = event["data"], event["type"]
+    if kind == "pin.created":
+        if find_pin(conn, data["id"]) is not None:
+            return True
+        pin = {k: v for k, v in data.items() if k not in ("n", "agentSession", "status", "resolution", "verification")}
+        text = pin.get("text") if isinstance(pin.get("text"), str) else ""
+        attachments = []
+        for attachment in pin.get("attachments") or ():
+            if isinstance(attachment, dict):
+                name = str(attachment.get("url") or "")[len("/media/"):]
+                attachment = {k: v for k, v in attachment.items() if k != "path"}
+                if re_media(name) and os.path.isfile(os.path.join(media, name)):
+                    attachment["path"] = os.path.join(media, name)
+                attachments.append(attachment)
+        if attachments:
+            pin["attachments"] = attachments
+        pin.update(text=text, status="open", machine=machine_of(event),
+                   n=conn.execute("SELECT COALESCE(MAX(n), 0) + 1 FROM pins WHERE n IS NOT NULL").fetchone()[0])
+        pin = ordered(pin, PIN_KEYS)
+        conn.execute("INSERT INTO pins(id, status, created_at, json, n) VALUES (?, ?, ?, ?, ?)",
+                     (pin["id"], "open", str(pin.get("createdAt") or event["at"]), dumps_compact(pin), pin["n"]))
+        store.index_text(conn, pin["id"], "pin", text)
+        seq = append_event(conn, kind, str(pin.get("createdAt") or event["at"]), pin)
+        conn.execute("UPDATE sync_events SET seq = ? WHERE id = ?", (seq, event["id"]))
+        appended.append((seq, kind, pin))
+        return True
+    pin_id = event_pin_id(kind, data)
+    if find_pin(conn, pin_id) is None:
+        return False
+    if kind == "thread.message":
+        if conn.execute("SELECT 1 FROM thread_messages WHERE id = ?", (data["id"],)).fetchone():
+            return True
+        message = {k: v for k, v in data.items() if k != "session"}
+        message = ordered(dict(message, text=message.get("text") if isinstance(message.get("text"), str) else "",
+                               machine=machine_of(event)), MESSAGE_KEYS)
+        conn.execute("INSERT INTO thread_messages(id, pin_id, at, json, sort_key) VALUES (?, ?, ?, ?, ?)",
+                     (message["id"], pin_id, str(message.get("at") or event["at"]), dumps_compact(message),
+                      sort_key(event)))
+        store.index_text(conn, pin_id, "msg", message["text"])
+        seq = append_event(conn, kind, str(message.get("at") or event["at"]), message)
+        conn.execute("UPDATE sync_events SET seq = ? WHERE id = ?", (seq, event["id"]))
+        appended.append((seq, kind, message))
+    return True
+
+
+def re_media(name):
+    import re
+    return re.fullmatch(MEDIA_NAME, name) is not None
+
+
+def refold_pin(conn, pin_id, appended):
+    """A pin's status, resolution, verdict and owner, from every event about it in the
+    total order: resolutions and reopens as they come, the first binding for good. A
+    local session that loses the pin to another machine's is told once."""
+    pin = find_pin(conn, pin_id)
+    if pin is None:
+        return
+    device = sync_setting(conn, "device")
+    status, resolution, verification, binding = "open", None, None, None
+    news = []
+    for raw, seq in conn.execute("SELECT body, seq FROM sync_events WHERE pin_id = ? AND applied = 1 "
+                                 "ORDER BY clock, device, id", (pin_id,)).fetchall():
+        event = json_loads(raw)
+        kind, data = event["type"], event["data"]
+        if kind in ("pin.created", "pin.bound") and binding is None and isinstance(data.get("agentSession"), dict):
+            binding = (data["agentSession"], event)
+        elif kind == "pin.resolved":
+            status, resolution, verification = "resolved", data.get("resolution"), None
+        elif kind == "pin.verified" and isinstance(data.get("verification"), dict):
+            verification = data["verification"]
+            if verification.get("outcome") == "reopened":
+                status = "open"
+        if kind in ("pin.resolved", "pin.verified") and seq is None and event["device"] != device:
+            news.append(event)
+    before = pin.get("agentSession")
+    if binding is not None:
+        ref, event = binding
+        if event["device"] == device:
+            pin["agentSession"] = before if before and not is_remote(before) else {k: v for k, v in ref.items()
+                                                                                   if k != "device"}
+        else:
+            pin["agentSession"] = dict({k: v for k, v in ref.items() if k in ("agent", "key", "cwd")},
+                                       device=event["device"], host=event.get("host") or "")
+    pin.update(status=status)
+    for field, value in (("resolution", resolution), ("verification", verification)):
+        if value is None:
+            pin.pop(field, None)
+        else:
+            pin[field] = value
+    _save_pin(conn, pin)
+    for event in news:  # the pin as it is now, for the page's stream and the ledger
+        seq = append_event(conn, event["type"], event["at"], ordered(pin, PIN_KEYS))
+        conn.execute("UPDATE sync_events SET seq = ? WHERE id = ?", (seq, event["id"]))
+        appended.append((seq, event["type"], ordered(pin, PIN_KEYS)))
+    if is_remote(pin.get("agentSession")):
+        moved_elsewhere(conn, pin, before)
+
+
+def moved_elsewhere(conn, pin, before):
+    """A pin now owned on another machine: nothing here waits to deliver it, and a
+    local session that had it is told, once, that it moved."""
+    conn.execute("UPDATE deliveries SET status = 'skipped', adapter = 'remote', updated_at = ? WHERE pin_id = ? "
+                 "AND status = 'pending'", (iso_time(), pin["id"]))
+    if not before or is_remote(before):
+        return
+    session = find_session(conn, before.get("agent"), before.get("key"))
+    if session is None or not is_live(session) or session["agent"] not in PULL_AGENTS:
+        return
+    seq = append_event(conn, "pin.moved", iso_time(), ordered(pin, PIN_KEYS))
+    insert_delivery(conn, seq, pin["id"], session["id"], "hooks", "pending")
+
+
+def sync_lock(root, wait):
+    """The project's sync lock (one sync at a time), or None when `wait` is False and
+    another holds it."""
+    import fcntl
+    state = state_dir(root)
+    os.makedirs(state, mode=0o700, exist_ok=True)
+    handle = open(os.path.join(state, "sync.lock"), "a")
+    deadline = time.monotonic() + (sync_timeout() if wait else 0)
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # novermin (flags, not a type union)
+            return handle
+        except OSError:
+            if time.monotonic() >= deadline:
+                handle.close()
+                if not wait:
+                    return None
+                raise PinboxError("E_TIMEOUT", "another pinbox sync of this project is still running",
+                                  "wait for it, then run `pinbox sync` again")
+            time.sleep(0.1)
+
+
+def sync_now(root, remote=None, explicit=False, children=None, wait=True):
+    """One sync with the remote: stage local events, fetch the other devices' refs,
+    fold in what is new, commit this device's batch and push it. `explicit` is the
+    person's `pinbox sync`: it records the choice (nothing leaves before one). Returns
+    a report, or None when another sync holds the lock and `wait` is False."""
+    import socket
+    if git_dir(root) is None:
+        raise invalid("%s is not a git repository: pins travel through its git remote" % root,
+                      "run `pinbox sync` inside the project's git clone")
+    lock = sync_lock(root, wait)
+    if lock is None:
+        return None
+    store = Store(store_dir(root))
+    try:
+        with store.guard():
+            chosen = sync_setting(store.conn, "remote")
+            enabled = sync_setting(store.conn, "enabled") == "1"
+        if not explicit and not enabled:
+            return None
+        remote = sync_remote(root, remote or chosen)
+        host = socket.gethostname()
+        with store.write() as conn:
+            device = sync_setting(conn, "device") or "dev_" + new_id("ses")[4:]
+            set_sync_settings(conn, device=device, remote=remote, enabled=1, host=host)
+            staged = stage_local_events(conn, device)
+        try:
+            clear_stale_locks(root, SYNC_FETCHED_REFS + remote)
+            git_call(root, ["fetch", "--quiet", "--no-tags", "--no-write-fetch-head", "--prune", remote,
+                            "+%s*:%s%s/*" % (SYNC_DEVICE_REFS, SYNC_FETCHED_REFS, remote)],
+                     children=children, remote=remote)
+            imported = 0
+            for ref, head, batches in fetched_batches(root, store, remote, device):
+                import_media(root, store, batches)
+                imported += apply_imported(store, [(ref, head)], batches, device)
+            commit, written = commit_batch(root, store, device, host, children)
+            pushed = False
+            if commit and commit != ref_head(root, "%s%s/%s" % (SYNC_FETCHED_REFS, remote, device)):
+                ref = SYNC_DEVICE_REFS + device
+                git_call(root, ["push", "--quiet", "--no-verify", remote, "%s:%s" % (ref, ref)],
+                         children=children, remote=remote)
+                pushed = True
+        except PinboxError as err:
+            with store.write() as conn:
+                set_sync_settings(conn, lastError="%s: %s" % (err.code, err.message), lastTryAt=iso_time())
+            raise
+        with store.write() as conn:
+            clock = int(sync_setting(conn, "clock", "0"))
+            set_sync_settings(conn, lastSyncAt=iso_time(), lastTryAt=iso_time(), lastError="", syncedSeq=last_seq(conn),
+                              pushedClock=clock if pushed or commit else sync_setting(conn, "pushedClock", "0"))
+        return {"remote": remote, "device": device, "staged": staged, "imported": imported,
+                "written": written, "pushed": pushed}
+    finally:
+        store.close()
+        lock.close()
+
+
+def sync_status(store):
+    """Whether sync is on, with which remote, when it last worked, and what waits."""
+    with store.guard():
+        conn = store.conn
+        if not store.exists:
+            return {"enabled": False, "waiting": 0, "devices": []}
+        get = lambda key, default=None: sync_setting(conn, key, default)  # noqa: E731
+        device = get("device")
+        unstaged = conn.execute("SELECT COUNT(*) FROM events WHERE seq > ? AND type IN (%s)"
+                                % ",".join("?" * len(SYNCED_EVENTS)), (int(get("stagedSeq", "0")),) + SYNCED_EVENTS
+                                ).fetchone()[0]
+        unstaged -= conn.execute("SELECT COUNT(*) FROM sync_events WHERE seq > ? AND device != ?",
+                                 (int(get("stagedSeq", "0")), device or "")).fetchone()[0]
+        unstaged += conn.execute("SELECT COUNT(*) FROM bindings WHERE id > ?", (int(get("stagedBinding", "0")),)
+                                 ).fetchone()[0]
+        unpushed = conn.execute("SELECT COUNT(*) FROM sync_events WHERE device = ? AND clock > ?",
+                                (device or "", int(get("pushedClock", "0")))).fetchone()[0]
+        devices = [{"device": d, "events": n, "host": (json_loads(b).get("host") or "")}
+                   for d, n, b in conn.execute("SELECT device, COUNT(*), MAX(body) FROM sync_events WHERE device != ? "
+                                               "GROUP BY device ORDER BY device", (device or "",))]
+        parked = conn.execute("SELECT COUNT(*) FROM sync_events WHERE applied = 0").fetchone()[0]
+        status = {"enabled": get("enabled") == "1", "remote": get("remote"), "device": device, "host": get("host"),
+                  "lastSyncAt": get("lastSyncAt"), "lastError": get("lastError") or None,
+                  "waiting": max(unstaged, 0) + unpushed, "devices": devices}
+        if parked:
+            status["parked"] = parked
+    return ordered(status, SYNC_STATUS_KEYS)
+
+
+def turn_sync_off(store):
+    with store.write() as conn:
+        set_sync_settings(conn, enabled=0)
+    return sync_status(store)
+
+
+def sync_worker(hub, stop):
+    """The hub's background sync, once the person has chosen it: soon after a local
+    change, every PINBOX_SYNC_INTERVAL_MS otherwise, backing off while the remote
+    fails. Never in a hook or the commit path: only here and in `pinbox sync`."""
+    interval = env_number("PINBOX_SYNC_INTERVAL_MS", 60000) / 1000.0
+    settle = env_number("PINBOX_SYNC_DELAY_MS", 2000) / 1000.0
+    next_at, failures, changed_at = time.monotonic() + settle, 0, None
+    while not stop.wait(0.5):
+        try:
+            with hub.store() as store:
+                enabled = sync_setting(store.conn, "enabled") == "1"
+                fresh = enabled and last_seq(store.conn) > int(sync_setting(store.conn, "syncedSeq", "0"))
+        except (PinboxError, sqlite3.Error):
+            continue
+        now = time.monotonic()
+        if not enabled:
+            continue
+        if fresh and changed_at is None:
+            changed_at = now
+        due = now >= next_at or (changed_at is not None and now - changed_at >= settle and failures == 0)
+        if not due:
+            continue
+        try:
+            report = sync_now(hub.root, children=hub.pushes, wait=False)
+            failures, changed_at = 0, None
+            next_at = now + interval
+            if report and report["imported"]:
+                hub.changed()
+        except Exception as exc:  # noqa: BLE001 — a failing remote must never stop the hub
+            failures += 1
+            next_at = now + min(interval * 2 ** (failures - 1), 900.0)
+            changed_at = None
+            if not stop.is_set():
+                write_err("pinbox: background sync: %s\n" % getattr(exc, "message", exc))
 
 
 # ============================================================================
@@ -3337,7 +4025,7 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
         write_file(server_json, json.dumps({"port": bound}, indent=2) + "\n")
         owner = "hub-%d-%s" % (os.getpid(), new_id("ses")[4:])
         for target, args in ((hub.watch, (hub.stopping,)), (delivery_worker, (hub, hub.stopping, owner)),
-                             (watch_idle, (hub, server))):
+                             (watch_idle, (hub, server)), (sync_worker, (hub, hub.stopping))):
             threading.Thread(target=target, args=args, daemon=True).start()
         if ready:
             ready(bound, hub.token)
@@ -4472,7 +5160,7 @@ class McpServer:
 
     def notify(self, event):
         payload = event["payload"] if isinstance(event.get("payload"), dict) else {}
-        pin_id = payload.get("pinId") if event["type"] == "thread.message" else payload.get("id")
+        pin_id = event_pin_id(event["type"], payload)
         changed = ["pinbox://pins/open", "pinbox://pins/%s" % pin_id]
         created = event["type"] == "pin.created"
         try:
@@ -5997,6 +6685,38 @@ DOCTOR_PROBES = (("sqlite", probe_sqlite), ("fts5", probe_fts), ("state-dir", pr
                  ("hub", probe_hub), ("sessions", probe_sessions), ("deliveries", probe_deliveries))
 
 
+def cmd_sync(ctx):
+    args = ctx.args
+    if args.off and args.status:
+        raise invalid("--off and --status do not go together", "pinbox sync --status, or pinbox sync --off")
+    if args.status or args.off:
+        data = turn_sync_off(ctx.store) if args.off else sync_status(ctx.reader)
+        ctx.out.result(data, sync_facts(data), "sync is off: nothing leaves this machine until `pinbox sync`"
+                       if args.off else None)
+        return
+    report = sync_now(ctx.root, args.remote, explicit=True)
+    ctx.close()
+    data = dict(report, status=sync_status(ctx.reader))
+    ctx.out.result(data, sync_facts(data["status"]),
+                   "synced with %s: %d event(s) in, %d out%s" % (report["remote"], report["imported"],
+                                                                 report["written"],
+                                                                 "" if report["pushed"] else " (nothing to push)"))
+
+
+def sync_facts(status):
+    lines = [("sync", ("on, with %s" % status["remote"]) if status["enabled"] else
+              "off" + (" (last remote: %s)" % status["remote"] if status.get("remote") else ""))]
+    if status.get("device"):
+        lines.append(("device", "%s on %s" % (status["device"], status.get("host") or "?")))
+    lines.append(("last sync", status.get("lastSyncAt") or "never"))
+    if status.get("lastError"):
+        lines.append(("last error", status["lastError"]))
+    lines.append(("waiting", "%d local event(s) not pushed yet" % status["waiting"]))
+    for peer in status.get("devices") or ():
+        lines.append(("from", "%s (%s): %d event(s)" % (peer["device"], peer["host"] or "?", peer["events"])))
+    return pad_columns([list(line) for line in lines])
+
+
 def cmd_doctor(ctx):
     checks = []
     for name, probe in DOCTOR_PROBES:
@@ -6234,7 +6954,7 @@ HOOK_VERBS = {"register": cmd_session_register, "inject": cmd_session_inject, "p
 
 # One order for the verbs: this table, the parser, the help and the cmd_* functions.
 VERBS = ("init", "open", "toolbar", "pin", "summary", "list", "show", "reply", "resolve", "reopen", "export",
-         "doctor", "mcp", "install", "serve", "session", "agent")
+         "sync", "doctor", "mcp", "install", "serve", "session", "agent")
 HIDDEN_VERBS = ("serve", "session", "agent")
 
 TOP_HELP = """Usage: pinbox [options] <command> [args]
@@ -6336,6 +7056,12 @@ def build_parser():
     p.add_argument("--detail", help="compact, standard (default) or forensic")
     p.add_argument("--status", help="open or resolved")
     p.set_defaults(run=cmd_export)
+
+    p = verb("sync", "share pins with your team through the repository's git remote", "[options]")
+    p.add_argument("--remote", metavar="name", help="the git remote (default: the one chosen before, else origin)")
+    p.add_argument("--status", action="store_true", help="say when it last synced, with which remote, what waits")
+    p.add_argument("--off", action="store_true", help="stop syncing (nothing more leaves this machine)")
+    p.set_defaults(run=cmd_sync)
 
     verb("doctor", "find out why a pin did not reach an agent").set_defaults(run=cmd_doctor)
     p = verb("mcp", "an MCP server on stdio, for agents without pinbox hooks (Cursor, VS Code, Gemini...)")

@@ -2730,6 +2730,404 @@ class TestInboxOverHttp(HubCase):
 
 
 # ============================================================================
+# Sync: the record in the repository's own git refs
+# ============================================================================
+
+class Machine:
+    """One clone of the team's repository on a machine of its own: its own HOME, state
+    folder, git identity and store."""
+
+    def __init__(self, case, name, url):
+        self.case, self.name = case, name
+        self.repo = os.path.join(case.tmp, name)
+        self.env = dict(case.base_env, HOME=os.path.join(case.tmp, name + "-home"),
+                        XDG_STATE_HOME=os.path.join(case.tmp, name + "-state"))
+        os.makedirs(self.env["HOME"])
+        git(case.tmp, "clone", "-q", url, self.repo, env=self.env)
+        git(self.repo, "config", "user.name", "%s Person" % name.upper())
+        git(self.repo, "config", "user.email", "%s@example.com" % name)
+        self.ok("init")
+
+    def run(self, *args, stdin=b"", env=None, timeout=60):
+        done = subprocess.run([sys.executable, "-c", BOOT] + [str(a) for a in args], cwd=self.repo,
+                              env=dict(self.env, **(env or {})), input=stdin if isinstance(stdin, bytes) else
+                              stdin.encode(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout)
+        return Result(done.returncode, done.stdout.decode("utf-8", "replace"), done.stderr.decode("utf-8", "replace"))
+
+    def ok(self, *args, **kw):
+        result = self.run(*args, **kw)
+        self.case.assertEqual(result.code, 0, result)
+        return result.json["data"]
+
+    def sync(self):
+        return self.ok("sync")
+
+    def inject(self, key, agent="claude"):
+        out = self.run("session", "inject", "--hook", "--agent", agent,
+                       stdin=payload(key, "UserPromptSubmit", self.repo)).out
+        return json.loads(out)["hookSpecificOutput"]["additionalContext"] if out else ""
+
+    def sql(self, query, *params):
+        conn = sqlite3.connect(os.path.join(self.repo, ".pinbox", "pinbox.db"))
+        try:
+            return conn.execute(query, params).fetchall()
+        finally:
+            conn.close()
+
+    def state(self):
+        """What a person sees, minus what is this machine's own (numbers, file paths,
+        which machine it came from): pins with their status, owner and thread."""
+        shown = {}
+        for pin in self.ok("list"):
+            detail = self.ok("show", pin["id"])
+            owner = pin.get("agentSession") or {}
+            shown[pin["id"]] = {
+                "text": pin["text"], "status": pin["status"], "resolution": pin.get("resolution"),
+                "verification": pin.get("verification"), "owner": (owner.get("agent"), owner.get("key")),
+                "thread": [(m["id"], m["role"], m["text"]) for m in detail["thread"]]}
+        return shown
+
+    def refs(self, pattern="refs/heads/"):
+        return git(self.repo, "for-each-ref", "--format=%(refname) %(objectname)", pattern)
+
+
+class SyncCase(unittest.TestCase):
+    """A bare repository as the team's remote, and machines cloned from it."""
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="pinbox-sync-")
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.base_env = {k: v for k, v in os.environ.items()
+                         if not k.startswith(("PINBOX_", "CLAUDE", "CODEX_", "HERMES_", "OPENCLAW_", "GIT_"))}
+        self.base_env.update(PINBOX_NO_SPAWN="1", LANG="C.UTF-8", USER="tester")
+        self.remote = os.path.join(self.tmp, "team.git")
+        git(self.tmp, "init", "-q", "--bare", "-b", "main", self.remote)
+        seed = os.path.join(self.tmp, "seed")
+        git(self.tmp, "clone", "-q", self.remote, seed)
+        git_commit(seed, "initial", env=dict(self.base_env, GIT_AUTHOR_NAME="s", GIT_AUTHOR_EMAIL="s@x",
+                                             GIT_COMMITTER_NAME="s", GIT_COMMITTER_EMAIL="s@x"))
+        git(seed, "push", "-q", "origin", "main")
+
+    def machines(self, url=None):
+        return Machine(self, "a", url or self.remote), Machine(self, "b", url or self.remote)
+
+    def remote_refs(self, pattern="refs/"):
+        return git(self.remote, "for-each-ref", "--format=%(refname) %(objectname)", pattern)
+
+    def git_daemon(self):
+        """`git daemon` serving the remote on 127.0.0.1 (pushes allowed): its git:// URL."""
+        port = closed_port()
+        daemon = subprocess.Popen(["git", "daemon", "--export-all", "--enable=receive-pack", "--reuseaddr",
+                                   "--listen=127.0.0.1", "--port=%d" % port, "--base-path=" + self.tmp, self.tmp],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.addCleanup(daemon.wait)
+        self.addCleanup(daemon.kill)
+        url = "git://127.0.0.1:%d/team.git" % port
+        deadline = time.monotonic() + 10  # hang guard
+        while subprocess.run(["git", "ls-remote", url], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env=self.base_env).returncode != 0:
+            self.assertLess(time.monotonic(), deadline, "git daemon did not come up")
+            time.sleep(0.1)
+        return url
+
+
+def _parent_of(pid):
+    try:
+        with open("/proc/%s/stat" % pid) as handle:
+            return int(handle.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def record_event_ids(repo, head):
+    """The ids of every event in a device's ref, commit by commit."""
+    ids = []
+    for sha in git(repo, "rev-list", head).split():
+        blob = subprocess.run(["git", "cat-file", "blob", sha + ":events"], cwd=repo, stdout=subprocess.PIPE,
+                              check=True).stdout.decode()
+        ids.extend(json.loads(line)["id"] for line in blob.splitlines())
+    return ids
+
+
+class TestSync(SyncCase):
+    def round_trip(self, url):
+        a, b = self.machines(url)
+        heads = (a.refs(), b.refs(), self.remote_refs("refs/heads/"))
+        worktrees = [git(m.repo, "status", "--porcelain", "--ignored") for m in (a, b)]
+        hub = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=a.repo, env=dict(a.env, PINBOX_IDLE_MS="60000"),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.addCleanup(hub.wait)
+        self.addCleanup(hub.terminate)
+        state = os.path.join(a.env["XDG_STATE_HOME"], "pinbox")
+        deadline = time.monotonic() + 10
+        while not (os.path.isdir(state) and os.listdir(state) and
+                   os.path.exists(os.path.join(state, os.listdir(state)[0], "hub.json"))):
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.05)
+        with open(os.path.join(state, os.listdir(state)[0], "hub.json")) as handle:
+            info = json.load(handle)
+        token = "Bearer " + info["token"]
+
+        def api(method, path, body=None):
+            conn = http.client.HTTPConnection("127.0.0.1", info["port"], timeout=10)
+            conn.request(method, path, body=json.dumps(body) if body is not None else None,
+                         headers={"Authorization": token, "Content-Type": "application/json"})
+            answer = json.loads(conn.getresponse().read())
+            conn.close()
+            self.assertTrue(answer["ok"], answer)
+            return answer["data"]
+
+        pin = api("POST", "/pins", {"text": "The total is wrong on checkout", "kind": "note",
+                                    "author": {"userId": "ann"}, "target": {
+                                        "selector": "#total", "url": "http://localhost:5173/checkout"}})
+        a.sync()
+        b.sync()
+        context = b.inject("kb")
+        self.assertIn("The total is wrong on checkout", context)
+        self.assertIn(pin["id"], context)
+        self.assertEqual(b.inject("kb").count("The total is wrong"), 1)  # listed, not delivered twice
+        b.ok("reply", pin["id"], "rounding fixed in cart.js", "--as", "agent", env={"PINBOX_SESSION": "claude:kb"})
+        with open(os.path.join(b.repo, "cart.js"), "w") as handle:
+            handle.write("round()\n")
+        git(b.repo, "add", "cart.js")
+        git(b.repo, "commit", "-q", "-m", "Round the total\n\nFixes: %s" % pin["id"], env=b.env)
+        sha = git(b.repo, "rev-parse", "HEAD")
+        b.sync()
+        a.sync()
+        shown = a.ok("show", pin["id"])
+        self.assertEqual(shown["pin"]["status"], "resolved")
+        self.assertEqual(shown["pin"]["resolution"]["commit"], sha)
+        self.assertEqual([(m["role"], m["text"]) for m in shown["thread"]], [("agent", "rounding fixed in cart.js")])
+        self.assertEqual(shown["thread"][0]["machine"]["author"], "B Person <b@example.com>")
+        self.assertEqual((shown["pin"]["agentSession"]["agent"], shown["pin"]["agentSession"]["key"]),
+                         ("claude", "kb"))
+        page = [p for p in api("GET", "/pins") if p["id"] == pin["id"]][0]  # what the toolbar is sent
+        self.assertEqual(page["status"], "resolved")
+        progress = api("GET", "/progress?pin=" + pin["id"])
+        self.assertEqual(progress["pins"][pin["id"]]["state"], "resolved")
+        self.assertEqual(progress["pins"][pin["id"]]["commit"], sha)
+        # The record is in refs of its own: no working tree, index or branch was touched.
+        self.assertEqual([git(m.repo, "status", "--porcelain", "--ignored") for m in (a, b)], worktrees)
+        self.assertEqual(git(b.repo, "diff", "--cached", "--name-only"), "")
+        self.assertEqual(a.refs(), heads[0])
+        self.assertEqual(self.remote_refs("refs/heads/"), heads[2])
+        self.assertEqual(git(b.repo, "rev-list", "--count", "main"), "2")  # only B's own commit on B's branch
+        self.assertEqual(len(self.remote_refs("refs/pinbox/devices/").splitlines()), 2)
+        self.assertNotIn("pinbox", git(b.repo, "log", "--format=%s", "main"))
+
+    def test_a_pin_from_a_page_on_one_machine_reaches_an_agent_on_another_and_the_fix_comes_back(self):
+        self.round_trip(None)
+
+    def test_the_same_through_git_daemon(self):
+        self.round_trip(self.git_daemon())
+
+    def test_nothing_leaves_before_the_first_explicit_sync_and_nothing_after_off(self):
+        a, b = self.machines()
+        hub = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=a.repo,
+                               env=dict(a.env, PINBOX_SYNC_INTERVAL_MS="200", PINBOX_SYNC_DELAY_MS="50"),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.addCleanup(hub.wait)
+        self.addCleanup(hub.terminate)
+        a.ok("pin", "a screenshot of an internal app")
+        time.sleep(1.5)  # the hub had time for several syncs, had they been allowed
+        self.assertEqual(self.remote_refs("refs/pinbox/"), "")
+        self.assertEqual(a.ok("sync", "--status")["enabled"], False)
+        a.sync()
+        self.assertEqual(len(self.remote_refs("refs/pinbox/").splitlines()), 1)
+        off = a.ok("sync", "--off")
+        self.assertEqual(off["enabled"], False)
+        before = self.remote_refs("refs/pinbox/")
+        a.ok("pin", "after off")
+        time.sleep(1.5)
+        self.assertEqual(self.remote_refs("refs/pinbox/"), before)
+        self.assertEqual(a.ok("sync", "--status")["waiting"], 1)
+
+    def test_a_running_hub_syncs_soon_after_a_change(self):
+        a, b = self.machines()
+        a.sync()
+        b.sync()
+        hubs = []
+        for machine in (a, b):
+            hub = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=machine.repo,
+                                   env=dict(machine.env, PINBOX_SYNC_INTERVAL_MS="500", PINBOX_SYNC_DELAY_MS="100"),
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.addCleanup(hub.wait)
+            self.addCleanup(hub.terminate)
+            hubs.append(hub)
+        made = a.ok("pin", "made on A while both hubs run")
+        deadline = time.monotonic() + 20  # hang guard
+        while made["id"] not in [p["id"] for p in b.ok("list")]:
+            self.assertLess(time.monotonic(), deadline, "B's hub never brought the pin in")
+            time.sleep(0.2)
+        status = b.ok("sync", "--status")
+        self.assertIsNone(status.get("lastError"))
+        self.assertEqual([d["events"] for d in status["devices"]], [1])
+
+    def test_both_machines_claim_one_pin_at_once_and_converge_on_one_owner(self):
+        a, b = self.machines()
+        pin = a.ok("pin", "The menu overlaps the logo")
+        a.sync()
+        b.sync()
+        for machine, key in ((a, "ka"), (b, "kb")):
+            machine.ok("session", "register", "--agent", "claude", "--key", key)
+        contexts = {}
+        threads = [threading.Thread(target=lambda m=m, k=k: contexts.__setitem__(k, m.inject(k)))
+                   for m, k in ((a, "ka"), (b, "kb"))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self.assertIn(pin["id"], contexts["ka"])  # each claimed it before hearing of the other
+        self.assertIn(pin["id"], contexts["kb"])
+        a.sync()
+        b.sync()
+        a.sync()
+        owners = [(p["agentSession"]["agent"], p["agentSession"]["key"]) for p in (a.ok("show", pin["id"])["pin"],
+                                                                                  b.ok("show", pin["id"])["pin"])]
+        self.assertEqual(owners[0], owners[1])
+        loser, lost_key = (b, "kb") if owners[0][1] == "ka" else (a, "ka")
+        winner, won_key = (a, "ka") if loser is b else (b, "kb")
+        told = loser.inject(lost_key)
+        self.assertIn("moved to claude session %s" % won_key, told)
+        self.assertNotIn("moved", loser.inject(lost_key))  # told once
+        self.assertNotIn(pin["id"], loser.inject(lost_key))  # and no longer shown the pin
+        self.assertIn(pin["id"], winner.inject(won_key))
+        # A person's reply on the loser's machine follows the pin to the winner's session.
+        loser.ok("reply", pin["id"], "it also happens on mobile")
+        loser.sync()
+        winner.sync()
+        self.assertIn("it also happens on mobile", winner.inject(won_key))
+        self.assertNotIn("it also happens on mobile", loser.inject(lost_key))
+
+    def test_two_machines_working_at_once_end_with_the_same_pins_and_threads(self):
+        import random
+        rng = random.Random(int(os.environ.get("PINBOX_SEED", "17")))
+        a, b = self.machines()
+        a.sync()
+        b.sync()
+        made = {"a": [], "b": []}
+        replies = 0
+        for step in range(campaign(8, 24)):
+            for machine in (a, b):
+                known = [p for p in machine.ok("list")]
+                action = rng.choice(["pin", "reply", "resolve", "reopen"] if known else ["pin"])
+                if action == "pin":
+                    made[machine.name].append(machine.ok("pin", "%s step %d" % (machine.name, step))["id"])
+                elif action == "reply":
+                    machine.ok("reply", rng.choice(known)["id"], "%s says %d" % (machine.name, step))
+                    replies += 1
+                elif action == "resolve":
+                    target = rng.choice(known)
+                    machine.run("resolve", target["id"], "--note", "%s %d" % (machine.name, step))
+                else:
+                    target = rng.choice(known)
+                    machine.run("reopen", target["id"])
+            order = rng.choice([(a,), (b,), (a, b), (b, a), ("both",)])
+            if order == ("both",):  # both sync in the same instant
+                procs = [subprocess.Popen([sys.executable, "-c", BOOT, "sync"], cwd=m.repo, env=m.env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for m in (a, b)]
+                self.assertEqual([p.wait(timeout=60) for p in procs], [0, 0])
+            else:
+                for machine in order:
+                    machine.sync()
+        for machine in (a, b, a):
+            machine.sync()
+        state_a, state_b = a.state(), b.state()
+        self.assertEqual(state_a, state_b)
+        self.assertEqual(sorted(state_a), sorted(made["a"] + made["b"]))
+        self.assertEqual(sum(len(p["thread"]) for p in state_a.values()), replies)
+        for machine in (a, b):
+            ids = [r[0] for r in machine.sql("SELECT id FROM thread_messages")]
+            self.assertEqual(len(ids), len(set(ids)))
+            self.assertEqual(machine.sql("SELECT COUNT(*) FROM events")[0][0],
+                             machine.sql("SELECT COUNT(DISTINCT event_seq) FROM deliveries")[0][0])
+            numbers = sorted(r[0] for r in machine.sql("SELECT n FROM pins"))
+            self.assertEqual(numbers, list(range(1, len(numbers) + 1)))
+
+    def test_a_sync_killed_at_any_moment_leaves_everything_whole(self):
+        """kill -9 of `pinbox sync` (and, every other round, of the git it runs) at random
+        moments — mid-fetch, mid-import, mid-push: the store stays sound, every ref names
+        a commit, and once syncs run to the end every event is there exactly once."""
+        import random
+        rng = random.Random(int(os.environ.get("PINBOX_SEED", "23")))
+        a, b = self.machines()
+        a.sync()
+        b.sync()
+        started = time.monotonic()
+        a.ok("pin", "warm-up")
+        a.sync()
+        span = time.monotonic() - started
+        pins, replies = 1, 0
+        for round_ in range(campaign(8, 20)):
+            machine = rng.choice((a, b))
+            machine.ok("pin", "%s round %d" % (machine.name, round_))
+            pins += 1
+            known = machine.ok("list")
+            machine.ok("reply", rng.choice(known)["id"], "reply %d" % round_)
+            replies += 1
+            proc = subprocess.Popen([sys.executable, "-c", BOOT, "sync"], cwd=machine.repo, env=machine.env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(rng.uniform(0.05, span * 1.3))
+            children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent_of(p) == proc.pid]
+            proc.kill()
+            proc.wait()
+            if round_ % 2:
+                for pid in children:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+            self.assertEqual(machine.sql("PRAGMA integrity_check"), [("ok",)])
+            for line in machine.refs("refs/pinbox/").splitlines():
+                self.assertEqual(git(machine.repo, "cat-file", "-t", line.split()[1]), "commit")
+            if rng.random() < 0.3:
+                (b if machine is a else a).sync()
+        time.sleep(0.5)  # a git that outlived its killed pinbox finishes on its own
+        for machine in (a, b, a, b):
+            machine.sync()
+        state_a = a.state()
+        self.assertEqual(state_a, b.state())
+        self.assertEqual(len(state_a), pins)
+        self.assertEqual(sum(len(p["thread"]) for p in state_a.values()), replies)
+        for line in self.remote_refs("refs/pinbox/devices/").splitlines():
+            ids = record_event_ids(self.remote, line.split()[1])
+            self.assertEqual(len(ids), len(set(ids)), "an event written twice to " + line)
+        for machine in (a, b):
+            self.assertEqual(machine.sql("SELECT COUNT(*) FROM events")[0][0],
+                             machine.sql("SELECT COUNT(DISTINCT event_seq) FROM deliveries")[0][0])
+
+    def test_a_remote_that_refuses_one_that_is_gone_and_none_at_all(self):
+        a, b = self.machines()
+        hook = os.path.join(self.remote, "hooks", "pre-receive")
+        with open(hook, "w") as handle:
+            handle.write("#!/bin/sh\nwhile read old new ref; do case $ref in refs/pinbox/*) "
+                         "echo 'pinbox refs are not allowed here' >&2; exit 1;; esac; done\n")
+        os.chmod(hook, 0o755)
+        made = a.ok("pin", "kept whatever the remote says")
+        refused = a.run("sync")
+        self.assertEqual(refused.code, 14, refused)
+        error = refused.json["error"]
+        self.assertEqual(error["code"], "E_REMOTE")
+        self.assertIn("pinbox refs are not allowed here", error["message"])
+        self.assertIn("git remote -v", error["hint"])
+        self.assertEqual([p["id"] for p in a.ok("list")], [made["id"]])
+        self.assertIn("E_REMOTE", a.ok("sync", "--status")["lastError"])
+        self.assertIn(made["id"], a.inject("ka"))  # the hooks go on as before
+        os.unlink(hook)
+        git(a.repo, "remote", "set-url", "origin", "git://127.0.0.1:%d/team.git" % closed_port())
+        gone = a.run("sync")
+        self.assertEqual((gone.code, gone.json["error"]["code"]), (14, "E_REMOTE"), gone)
+        self.assertEqual(a.sql("PRAGMA integrity_check"), [("ok",)])
+        lonely = os.path.join(self.tmp, "lonely")
+        git(self.tmp, "init", "-q", lonely)
+        none = subprocess.run([sys.executable, "-c", BOOT, "sync", "--json"], cwd=lonely, env=a.env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+        self.assertEqual(none.returncode, 14)
+        self.assertIn("no git remote", json.loads(none.stdout)["error"]["message"])
+        self.assertNotIn(b"Traceback", none.stderr)
+
+
+# ============================================================================
 # Hub: the request router
 # ============================================================================
 
