@@ -1400,10 +1400,16 @@ def pin_progress(conn, pins):
     for pin in pins:
         last = last_words.get(pin["id"])
         status, error, at, adapter, sid = rows.get(pin["id"], (None,) * 5)
+        owner = pin.get("agentSession")
+        if last and last.get("machine") and isinstance(last.get("agentSession"), dict):
+            last = dict(last, session=remote_session_ref(last["agentSession"], last["machine"], sessions))
         if pin.get("status") == "resolved":
             state = dict(pin.get("resolution") or {}, state="resolved")
         elif last and last.get("role") == "agent":
             state = {"state": "replied", "at": last.get("at"), "session": last.get("session")}
+        elif is_remote(owner):  # it reached a session on another machine: the binding says when
+            state = {"state": "delivered", "at": owner.get("at"), "adapter": "remote",
+                     "session": remote_session_ref(owner, owner, sessions)}
         elif status == "failed":
             state = {"state": "failed", "error": error, "at": at, "session": sid}
         elif status == "delivered":
@@ -1420,6 +1426,13 @@ def pin_progress(conn, pins):
                 if found:
                     sessions[ref] = {"agent": found[0], "key": found[1]}
     return states, sessions
+
+
+def remote_session_ref(ref, machine, sessions):
+    """How the page names a session of another machine (it has no id here)."""
+    name = "%s/%s:%s" % (machine.get("device"), ref.get("agent"), ref.get("key"))
+    sessions[name] = {"agent": ref.get("agent"), "key": ref.get("key"), "host": machine.get("host") or ""}
+    return name
 
 
 # --- What an agent is shown -----------------------------------------------------
@@ -2722,7 +2735,7 @@ def refold_pin(conn, pin_id, appended):
                                                                                    if k != "device"}
         else:
             pin["agentSession"] = dict({k: v for k, v in ref.items() if k in ("agent", "key", "cwd")},
-                                       device=event["device"], host=event.get("host") or "")
+                                       device=event["device"], host=event.get("host") or "", at=event["at"])
     pin.update(status=status)
     for field, value in (("resolution", resolution), ("verification", verification)):
         if value is None:
@@ -3308,6 +3321,11 @@ def r_progress(hub, request):
     return Response(200, {"pins": states, "sessions": sessions})
 
 
+def r_sync_status(hub, request):
+    with hub.store() as store:
+        return Response(200, sync_status(store))
+
+
 def r_open_proxy(hub, request):
     """A page proxy for an app (`pinbox open <url>`): where to open it."""
     upstream = request.json().get("upstream")
@@ -3336,6 +3354,7 @@ def r_page(hub, request):
 # the server shell keeps open (/stream, /ws).
 ROUTES = (
     ("GET", ("health",), r_health), ("GET", ("summary",), r_summary), ("GET", ("events",), r_events),
+    ("GET", ("sync",), r_sync_status),
     ("GET", ("pins",), r_list_pins), ("POST", ("pins",), r_create_pin), ("GET", ("pins", "*"), r_get_pin),
     ("GET", ("pins", "*", "thread"), r_get_thread), ("POST", ("pins", "*", "thread"), r_post_thread),
     ("POST", ("pins", "*", "resolve"), r_resolve), ("POST", ("pins", "*", "verify"), r_verify),
@@ -8325,8 +8344,12 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
 
   function sessionName(ref) {
     const s = ref && state.sessions[ref];
-    return s ? s.agent + ' (' + String(s.key).slice(0, 8) + ')' : 'an agent';
+    return s ? s.agent + ' (' + String(s.key).slice(0, 8) + ')' + (s.host ? ' on ' + s.host : '') : 'an agent';
   }
+
+  // A pin or message synced from another machine names who made it there (git's author).
+  const fromMachine = (x) => x && x.machine
+    ? 'from ' + (x.machine.author || 'another machine') + (x.machine.host ? ' on ' + x.machine.host : '') : '';
 
   const clock = (at) => { const d = at ? new Date(at) : null; return d && !isNaN(d) ? d.toLocaleTimeString() : ''; };
 
@@ -8421,6 +8444,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     ui.badge.className = 'badge' + (resolved ? ' resolved' : '');
     ui.thread.setAttribute('data-status', resolved ? 'resolved' : 'open');
     const notes = [];
+    if (pin.machine) notes.push('Pinned ' + fromMachine(pin));
     if (pin.verification) notes.push('Verification: ' + pin.verification.outcome + (pin.verification.note ? ': ' + pin.verification.note : ''));
     fill(ui.meta,
       h('div', { class: 'pintext', 'data-pinbox': 'pin-text' }, pin.text || ''),
@@ -8447,7 +8471,10 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   }
 
   function messageView(m) {
-    const who = m.role === 'agent' && m.session ? 'agent ' + DOT + ' ' + sessionName(m.session) : (m.role || '?');
+    const who = (m.role === 'agent' && m.agentSession ? 'agent ' + DOT + ' ' + m.agentSession.agent + ' (' +
+        String(m.agentSession.key).slice(0, 8) + ')'
+      : m.role === 'agent' && m.session ? 'agent ' + DOT + ' ' + sessionName(m.session) : (m.role || '?')) +
+      (m.machine ? ' ' + DOT + ' ' + fromMachine(m) : '');
     const when = clock(m.at);
     return h('div', { class: 'msg ' + (m.role || ''), 'data-pinbox': 'message', 'data-message-id': m.id, 'data-role': m.role },
       h('div', { class: 'who' }, who + (when ? ' ' + DOT + ' ' + when : '')),
@@ -8554,7 +8581,9 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     const here = onThisPage(pin);
     const last = (state.progress[pin.id] || {}).lastMessage;
     const shot = (pin.attachments || []).filter((a) => a && a.url && String(a.contentType || 'image/').startsWith('image/'));
-    const owner = pin.agentSession ? pin.agentSession.agent + ' (' + String(pin.agentSession.key).slice(0, 8) + ')' : 'no agent yet';
+    const owner = (pin.agentSession ? pin.agentSession.agent + ' (' + String(pin.agentSession.key).slice(0, 8) + ')' +
+      (pin.agentSession.host ? ' on ' + pin.agentSession.host : '') : 'no agent yet') +
+      (pin.machine ? ' ' + DOT + ' ' + fromMachine(pin) : '');
     const body = [h('span', { class: 'n' }, '#' + (pin.n || '?')),
       h('div', { class: 'item-main' },
         h('div', { class: 'item-text' }, collapse(pin.text).slice(0, 140)),
@@ -8907,7 +8936,9 @@ vertical-align:top}th{background:#f5f5f5}.resolved{color:#2e7d32}.open{color:#b2
 .thread{color:#555;font-size:.9em;white-space:pre-wrap}#err{color:#c62828}
 </style>
 <h1>pinbox</h1><p id="err"></p>
-<h2>Pins</h2><table id="pins"><tr><th>#</th><th>id</th><th>status</th><th>where</th><th>text and thread</th></tr></table>
+<p id="sync"></p>
+<h2>Pins</h2><table id="pins"><tr><th>#</th><th>id</th><th>status</th><th>where</th><th>text and thread</th>
+<th>from, with</th></tr></table>
 <h2>Sessions</h2><table id="sessions"><tr><th>id</th><th>agent</th><th>key</th><th>state</th><th>last seen</th>
 <th>cwd</th></tr></table>
 <h2>Deliveries</h2><table id="deliveries"><tr><th>id</th><th>event</th><th>session</th><th>adapter</th><th>state</th>
@@ -8929,18 +8960,28 @@ function row(table, cells, cls) {
 }
 async function load() {
   try {
-    const [pins, sessions, deliveries] = await Promise.all([get("/pins"), get("/sessions"), get("/deliveries")]);
+    const [pins, sessions, deliveries, sync] = await Promise.all([get("/pins"), get("/sessions"), get("/deliveries"),
+                                                                  get("/sync")]);
+    document.getElementById("sync").textContent = sync.enabled
+      ? "Syncing with git remote " + sync.remote + " · last sync " + (sync.lastSyncAt || "never") +
+        (sync.lastError ? " · last error: " + sync.lastError : "") + " · " + sync.waiting + " event(s) waiting"
+      : "Sync is off: pins stay on this machine (`pinbox sync` shares them through the git remote)";
     for (const t of ["pins", "sessions", "deliveries"]) {
       const el = document.getElementById(t); while (el.rows.length > 1) el.deleteRow(1);
     }
     for (const p of pins) {
       const t = p.target || {};
-      const tr = row("pins", [p.n, p.id, p.status, t.selector || t.url || (t.source && t.source.file) || "", p.text],
-                     p.status);
+      const m = p.machine, a = p.agentSession;
+      const tr = row("pins", [p.n, p.id, p.status, t.selector || t.url || (t.source && t.source.file) || "", p.text,
+                              [m ? "from " + (m.author || "?") + " on " + (m.host || "another machine") : "",
+                               a ? "with " + a.agent + " (" + a.key + ")" + (a.host ? " on " + a.host : "") : ""]
+                                .filter(Boolean).join(" · ")], p.status);
       get("/pins/" + p.id + "/thread").then(msgs => {
         if (!msgs.length) return;
         const div = document.createElement("div"); div.className = "thread";
-        div.textContent = msgs.map(m => m.role + ": " + m.text).join("\n");
+        div.textContent = msgs.map(m => m.role + (m.machine ? " (" + (m.machine.author || "?") + ", " +
+                                                  (m.machine.host || "another machine") + ")" : "") + ": " + m.text)
+                              .join("\n");
         tr.cells[4].appendChild(div);
       });
     }

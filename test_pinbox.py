@@ -2790,6 +2790,34 @@ class Machine:
     def refs(self, pattern="refs/heads/"):
         return git(self.repo, "for-each-ref", "--format=%(refname) %(objectname)", pattern)
 
+    def serve(self, **env):
+        """Starts this machine's hub (stopped after the test) and waits until it listens."""
+        hub = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=self.repo,
+                               env=dict(self.env, PINBOX_IDLE_MS="60000", **env),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.case.addCleanup(hub.wait)
+        self.case.addCleanup(hub.terminate)
+        server_json = os.path.join(self.repo, ".pinbox", "server.json")
+        deadline = time.monotonic() + 10  # hang guard
+        while not os.path.exists(server_json):
+            self.case.assertLess(time.monotonic(), deadline, "the hub did not start")
+            time.sleep(0.05)
+        state = os.path.join(self.env["XDG_STATE_HOME"], "pinbox")
+        with open(os.path.join(state, os.listdir(state)[0], "hub.json")) as handle:
+            info = json.load(handle)
+        self.port, self.token = info["port"], info["token"]
+        return hub
+
+    def api(self, method, path, body=None, content_type="application/json"):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        conn.request(method, path, body=body if isinstance(body, bytes) else
+                     json.dumps(body) if body is not None else None,
+                     headers={"Authorization": "Bearer " + self.token, "Content-Type": content_type})
+        answer = json.loads(conn.getresponse().read())
+        conn.close()
+        self.case.assertTrue(answer["ok"], answer)
+        return answer["data"]
+
 
 class SyncCase(unittest.TestCase):
     """A bare repository as the team's remote, and machines cloned from it."""
@@ -2854,29 +2882,8 @@ class TestSync(SyncCase):
         a, b = self.machines(url)
         heads = (a.refs(), b.refs(), self.remote_refs("refs/heads/"))
         worktrees = [git(m.repo, "status", "--porcelain", "--ignored") for m in (a, b)]
-        hub = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=a.repo, env=dict(a.env, PINBOX_IDLE_MS="60000"),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.addCleanup(hub.wait)
-        self.addCleanup(hub.terminate)
-        state = os.path.join(a.env["XDG_STATE_HOME"], "pinbox")
-        deadline = time.monotonic() + 10
-        while not (os.path.isdir(state) and os.listdir(state) and
-                   os.path.exists(os.path.join(state, os.listdir(state)[0], "hub.json"))):
-            self.assertLess(time.monotonic(), deadline)
-            time.sleep(0.05)
-        with open(os.path.join(state, os.listdir(state)[0], "hub.json")) as handle:
-            info = json.load(handle)
-        token = "Bearer " + info["token"]
-
-        def api(method, path, body=None):
-            conn = http.client.HTTPConnection("127.0.0.1", info["port"], timeout=10)
-            conn.request(method, path, body=json.dumps(body) if body is not None else None,
-                         headers={"Authorization": token, "Content-Type": "application/json"})
-            answer = json.loads(conn.getresponse().read())
-            conn.close()
-            self.assertTrue(answer["ok"], answer)
-            return answer["data"]
-
+        a.serve()
+        api = a.api
         pin = api("POST", "/pins", {"text": "The total is wrong on checkout", "kind": "note",
                                     "author": {"userId": "ann"}, "target": {
                                         "selector": "#total", "url": "http://localhost:5173/checkout"}})
@@ -2923,11 +2930,7 @@ class TestSync(SyncCase):
 
     def test_nothing_leaves_before_the_first_explicit_sync_and_nothing_after_off(self):
         a, b = self.machines()
-        hub = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=a.repo,
-                               env=dict(a.env, PINBOX_SYNC_INTERVAL_MS="200", PINBOX_SYNC_DELAY_MS="50"),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.addCleanup(hub.wait)
-        self.addCleanup(hub.terminate)
+        a.serve(PINBOX_SYNC_INTERVAL_MS="200", PINBOX_SYNC_DELAY_MS="50")
         a.ok("pin", "a screenshot of an internal app")
         time.sleep(1.5)  # the hub had time for several syncs, had they been allowed
         self.assertEqual(self.remote_refs("refs/pinbox/"), "")
@@ -2946,14 +2949,8 @@ class TestSync(SyncCase):
         a, b = self.machines()
         a.sync()
         b.sync()
-        hubs = []
         for machine in (a, b):
-            hub = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=machine.repo,
-                                   env=dict(machine.env, PINBOX_SYNC_INTERVAL_MS="500", PINBOX_SYNC_DELAY_MS="100"),
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            self.addCleanup(hub.wait)
-            self.addCleanup(hub.terminate)
-            hubs.append(hub)
+            machine.serve(PINBOX_SYNC_INTERVAL_MS="500", PINBOX_SYNC_DELAY_MS="100")
         made = a.ok("pin", "made on A while both hubs run")
         deadline = time.monotonic() + 20  # hang guard
         while made["id"] not in [p["id"] for p in b.ok("list")]:
@@ -3095,6 +3092,63 @@ class TestSync(SyncCase):
         for machine in (a, b):
             self.assertEqual(machine.sql("SELECT COUNT(*) FROM events")[0][0],
                              machine.sql("SELECT COUNT(DISTINCT event_seq) FROM deliveries")[0][0])
+
+    def test_screenshots_travel_and_the_page_says_where_a_pin_came_from_and_who_has_it(self):
+        binary = chromium_binary()
+        if binary is None:
+            self.skipTest("chromium not installed (Debian package chromium; .ci/run installs it)")
+        a, b = self.machines()
+        b.serve()
+        picture = make_png(24, 16, (200, 30, 30))
+        attachment = b.api("POST", "/attachments?kind=screenshot", picture, "image/png")["attachment"]
+        made = b.api("POST", "/pins", {"text": "The logo is cut off", "author": {"userId": "bob"}, "attachments": [
+            attachment], "target": {"selector": "h1", "url": "http://localhost:1/home"}})
+        b.sync()
+        a.sync()
+        on_a = a.ok("show", made["id"])["pin"]
+        path = on_a["attachments"][0]["path"]
+        self.assertEqual(os.path.dirname(path), os.path.realpath(os.path.join(a.repo, ".pinbox", "media")))
+        with open(path, "rb") as handle:
+            self.assertEqual(handle.read(), picture)  # the bytes, from a blob in B's ref
+        self.assertEqual(on_a["machine"]["author"], "B Person <b@example.com>")
+        self.assertIn("attached: " + path, a.inject("ka"))  # A's agent is told A's own path
+        a.sync()  # A's session has the pin now: the binding travels back
+        b.sync()
+        host = socket.gethostname()
+
+        class Site(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = ("<!doctype html><h1>Home</h1><script src='http://127.0.0.1:%d/toolbar.js' data-token='%s'>"
+                        "</script>" % (b.port, b.token)).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        site = serve_in_thread(self, Site).server_address[1]
+        browser = Chromium(binary, self.tmp)
+        self.addCleanup(browser.close)
+        browser.open("http://localhost:%d/home" % site)
+        shadow = "document.getElementById('pinbox-toolbar-host').shadowRoot"
+        browser.wait_for("!!(%s && %s.querySelector('[data-pinbox=\"toggle\"]'))" % (shadow, shadow))
+        browser.key("i")
+        item = "%s.querySelector('[data-pinbox=\"drawer-pin\"]')" % shadow
+        browser.wait_for("!!(%s) && (%s).innerText.includes('Delivered to')" % (item, item), timeout=10)
+        text = browser.evaluate("(%s).innerText" % item)
+        self.assertIn("claude (ka) on %s" % host, text)  # who has it, and on which machine
+        self.assertIn("Delivered to claude (ka) on %s" % host, text)
+        a.serve()
+        browser.open("http://127.0.0.1:%d/#token=%s" % (a.port, a.token))
+        browser.wait_for("document.getElementById('pins').rows.length > 1 && "
+                         "document.getElementById('sync').textContent.includes('Syncing')")
+        row = browser.evaluate("document.getElementById('pins').rows[1].innerText")
+        self.assertIn("from B Person <b@example.com> on %s" % host, row)
+        self.assertIn("with claude (ka)", row)
+        self.assertIn("Syncing with git remote origin", browser.evaluate("document.getElementById('sync').textContent"))
 
     def test_a_remote_that_refuses_one_that_is_gone_and_none_at_all(self):
         a, b = self.machines()

@@ -733,14 +733,79 @@ def bench_toolbar(runs, workdir):
         end_bench(old, proc, app)
 
 
+def bench_sync(runs, workdir):
+    """`pinbox sync` through a bare git remote on this machine: the first sync of an
+    empty clone that gets 10,000 pins and 1,000 screenshots, and an incremental sync
+    of one new pin, each beside `git fetch` of the same refs alone, plus what the refs
+    add to the remote."""
+    env = bench_env(workdir)
+    script = os.path.join(ROOT, "pinbox.py")
+    remote = os.path.join(workdir, "team.git")
+    subprocess.run(["git", "init", "-q", "--bare", "-b", "main", remote], check=True)
+    source = os.path.join(workdir, "a")
+    make_repo(source, env)
+    subprocess.run(["git", "remote", "add", "origin", remote], cwd=source, check=True)
+    subprocess.run(["git", "push", "-q", "origin", "main"], cwd=source, env=env, check=True)
+    store = pinbox.Store(os.path.join(source, ".pinbox"))
+    media = os.path.join(source, ".pinbox", "media")
+    os.makedirs(media)
+    for i in range(10000):
+        attachments = None
+        if i % 10 == 0:  # 1,000 screenshots of 40 KiB (random bytes: git cannot compress them away)
+            name = "att_%010d.png" % i
+            with open(os.path.join(media, name), "wb") as handle:
+                handle.write(os.urandom(40 * 1024))
+            attachments = [{"id": name[:-4], "kind": "screenshot", "url": "/media/" + name, "contentType": "image/png"}]
+        pinbox.create_pin(store, dict({"text": "pin %d: the button is clipped on narrow screens" % i,
+                                       "target": {"url": "http://localhost:3000/p%d" % (i % 40), "selector": "#b%d" % i}},
+                                      **({"attachments": attachments} if attachments else {})))
+    store.close()
+    started = time.perf_counter()
+    subprocess.run([sys.executable, script, "sync"], cwd=source, env=env, check=True, stdout=subprocess.DEVNULL)
+    export_ms = (time.perf_counter() - started) * 1000
+    size = subprocess.run(["git", "rev-list", "--objects", "--disk-usage", "--glob=refs/pinbox/*"], cwd=remote,
+                          stdout=subprocess.PIPE, check=True).stdout.decode().strip()
+    samples = {"fetch": [], "full": [], "fetch1": [], "one": []}
+    for i in range(min(runs, 3)):
+        clone = os.path.join(workdir, "b%d" % i)
+        # file:// copies objects as a remote would send them (a path would hard-link them all)
+        subprocess.run(["git", "clone", "-q", "file://" + remote, clone], env=env, check=True)
+        plain = os.path.join(workdir, "plain%d" % i)
+        subprocess.run(["git", "clone", "-q", "file://" + remote, plain], env=env, check=True)
+        samples["fetch"].append(timed(["git", "fetch", "-q", "origin", "+refs/pinbox/devices/*:refs/pinbox/x/*"],
+                                      cwd=plain, env=env))
+        samples["full"].append(timed([sys.executable, script, "sync"], cwd=clone, env=env))
+        shutil.rmtree(plain)
+    state = json.loads(subprocess.run([sys.executable, script, "list", "--json"], cwd=clone, env=env,
+                                      stdout=subprocess.PIPE, check=True).stdout)["data"]
+    shots = sum(1 for p in state if p.get("attachments") and os.path.isfile(p["attachments"][0].get("path", "")))
+    if len(state) != 10000 or shots != 1000:
+        raise SystemExit("bench: the clone got %d pins and %d screenshots" % (len(state), shots))
+    for i in range(runs):
+        subprocess.run([sys.executable, script, "pin", "one more %d" % i], cwd=source, env=env, check=True,
+                       stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, script, "sync"], cwd=source, env=env, check=True, stdout=subprocess.DEVNULL)
+        samples["fetch1"].append(timed(["git", "fetch", "-q", "origin", "+refs/pinbox/devices/*:refs/pinbox/y/*"],
+                                       cwd=clone, env=env))
+        samples["one"].append(timed([sys.executable, script, "sync"], cwd=clone, env=env))
+    return [dict(name="first sync on the source (10,000 pins staged and pushed)", **summarize([export_ms])),
+            {"name": "what the refs add to the remote (10,000 pins, 1,000 x 40 KiB)", "bytes": int(size)},
+            dict(name="git fetch of those refs alone, into an empty clone", **summarize(samples["fetch"])),
+            dict(name="pinbox sync of an empty clone: 10,000 pins, 1,000 shots", **summarize(samples["full"]),
+                 target_ms=30000),
+            dict(name="git fetch alone, after one new pin", **summarize(samples["fetch1"])),
+            dict(name="pinbox sync of one new pin", **summarize(samples["one"]), target_ms=1000)]
+
+
 BENCHMARKS = {"hooks": bench_hooks, "commit": bench_commit, "cli": bench_cli, "hub": bench_hub,
               "delivery": bench_delivery, "inbox": bench_inbox, "proxy": bench_proxy, "toolbar": bench_toolbar,
-              "mcp": bench_mcp}
+              "mcp": bench_mcp, "sync": bench_sync}
 
 
 def format_row(row):
     if "bytes" in row:
-        return "%-58s %21s" % (row["name"], "%d bytes, %d gzipped" % (row["bytes"], row["gzip_bytes"]))
+        return "%-58s %21s" % (row["name"], "%d bytes" % row["bytes"] + (", %d gzipped" % row["gzip_bytes"]
+                                                                          if "gzip_bytes" in row else ""))
     if "per_second" in row:
         target = ""
         if row.get("target_per_second"):
