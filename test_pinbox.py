@@ -3134,13 +3134,9 @@ class TestSync(SyncCase):
 
         class Site(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
-                body = ("<!doctype html><h1>Home</h1><script src='http://127.0.0.1:%d/toolbar.js' data-token='%s'>"
-                        "</script>" % (b.port, b.token)).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/html")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                send_plain(self, 200, ("<!doctype html><h1>Home</h1><script src='http://127.0.0.1:%d/toolbar.js' "
+                                       "data-token='%s'></script>" % (b.port, b.token)).encode(),
+                           [("Content-Type", "text/html")])
 
             def log_message(self, *args):
                 pass
