@@ -2438,15 +2438,15 @@ def clear_stale_locks(root, *prefixes):
     """Lock files a killed sync left on pinbox's own refs. Only pinbox writes these refs
     and it holds the sync lock, so a lock file there is a dead sync's."""
     folder = git_dir(root)
-    for prefix in prefixes:
+    for prefix in prefixes:  # a ref (its lock stands beside it) or a folder of refs
         base = os.path.join(folder, prefix)
-        for parent, _dirs, files in os.walk(base):
-            for name in files:
-                if name.endswith(".lock"):
-                    try:
-                        os.unlink(os.path.join(parent, name))
-                    except OSError:
-                        pass
+        locks = [base + ".lock"] + [os.path.join(parent, name) for parent, _dirs, files in os.walk(base)
+                                    for name in files if name.endswith(".lock")]
+        for lock in locks:
+            try:
+                os.unlink(lock)
+            except OSError:
+                pass
 
 
 def author_env(root):
@@ -2579,11 +2579,40 @@ def fetched_batches(root, store, remote, device):
 
 def valid_event(event):
     """An event another machine wrote is data from outside: its shape is checked
-    before anything of it is stored."""
-    return (isinstance(event, dict) and isinstance(event.get("id"), str) and isinstance(event.get("clock"), int)
-            and isinstance(event.get("device"), str) and event.get("type") in SYNCED_EVENTS + ("pin.bound",)
-            and isinstance(event.get("data"), dict) and isinstance(event["data"].get("id"), str)
-            and isinstance(event.get("at"), str))
+    before anything of it is stored, and its id must be its device's and clock's."""
+    import re
+
+    def is_id(value, prefix):
+        return isinstance(value, str) and re.fullmatch(prefix + r"_[a-z0-9]{10}", value) is not None
+
+    if not (isinstance(event, dict) and is_id(event.get("device"), "dev") and type(event.get("clock")) is int
+            and event["clock"] > 0 and event.get("id") == "%s.%d" % (event["device"], event["clock"])
+            and isinstance(event.get("at"), str) and isinstance(event.get("data"), dict)):
+        return False
+    kind, data = event.get("type"), event["data"]
+    if kind == "thread.message":
+        return (is_id(data.get("id"), "msg") and is_id(data.get("pinId"), "pin") and isinstance(data.get("text"), str)
+                and data.get("role") in ROLES and isinstance(data.get("attachments") or [], list))
+    if not is_id(data.get("id"), "pin"):
+        return False
+    if kind == "pin.created":
+        return (isinstance(data.get("text"), str) and isinstance(data.get("attachments") or [], list)
+                and all(isinstance(data.get(k) or {}, dict) for k in ("target", "env", "author", "move"))
+                and (data.get("agentSession") is None or valid_binding(data["agentSession"])))
+    if kind == "pin.resolved":
+        return isinstance(data.get("resolution"), dict)
+    if kind == "pin.verified":
+        return isinstance(data.get("verification"), dict) and data["verification"].get("outcome") in (
+            "accepted", "reopened")
+    return kind == "pin.bound" and valid_binding(data.get("agentSession"))
+
+
+def valid_binding(ref):
+    try:
+        check_session_ref(ref.get("agent"), ref.get("key"))
+    except (PinboxError, AttributeError):
+        return False
+    return True
 
 
 def import_media(root, store, batches):
@@ -2717,7 +2746,7 @@ def refold_pin(conn, pin_id, appended):
                                  "ORDER BY clock, device, id", (pin_id,)).fetchall():
         event = json_loads(raw)
         kind, data = event["type"], event["data"]
-        if kind in ("pin.created", "pin.bound") and binding is None and isinstance(data.get("agentSession"), dict):
+        if kind in ("pin.created", "pin.bound") and binding is None and data.get("agentSession"):
             binding = (data["agentSession"], event)
         elif kind == "pin.resolved":
             status, resolution, verification = "resolved", data.get("resolution"), None
@@ -2803,14 +2832,19 @@ def sync_now(root, remote=None, explicit=False, children=None, wait=True):
     try:
         with store.guard():
             chosen = sync_setting(store.conn, "remote")
-            enabled = sync_setting(store.conn, "enabled") == "1"
-        if not explicit and not enabled:
-            return None
         remote = sync_remote(root, remote or chosen)
         host = socket.gethostname()
+        home = os.path.realpath(store.directory)
         with store.write() as conn:
-            device = sync_setting(conn, "device") or "dev_" + new_id("ses")[4:]
-            set_sync_settings(conn, device=device, remote=remote, enabled=1, host=host)
+            if not explicit and sync_setting(conn, "enabled") != "1":
+                return None  # turned off (or never chosen): only the person's `pinbox sync` turns it on
+            device = sync_setting(conn, "device")
+            if device is None or sync_setting(conn, "deviceHome") != home:
+                # A store copied with its folder (cp -r of a clone) is another device: two
+                # stores appending to one ref would refuse each other's pushes.
+                device = "dev_" + new_id("ses")[4:]
+            set_sync_settings(conn, device=device, deviceHome=home, remote=remote, host=host,
+                              **({"enabled": 1} if explicit else {}))
             staged = stage_local_events(conn, device)
         try:
             clear_stale_locks(root, SYNC_FETCHED_REFS + remote)

@@ -2867,6 +2867,12 @@ def _parent_of(pid):
         return None
 
 
+def git_input(cwd, data, *args):
+    """stdout of a git plumbing command fed `data` on stdin."""
+    return subprocess.run(["git"] + list(args), cwd=cwd, input=data, check=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE).stdout.decode().strip()
+
+
 def record_event_ids(repo, head):
     """The ids of every event in a device's ref, commit by commit."""
     ids = []
@@ -2995,6 +3001,10 @@ class TestSync(SyncCase):
         winner.sync()
         self.assertIn("it also happens on mobile", winner.inject(won_key))
         self.assertNotIn("it also happens on mobile", loser.inject(lost_key))
+        # The loser's machine made up no session for the winner's, and sent the reply nowhere.
+        self.assertEqual([s["key"] for s in loser.ok("session", "list")], [lost_key])
+        self.assertEqual(loser.sql("SELECT d.adapter, d.status FROM deliveries d JOIN events e ON e.seq = d.event_seq "
+                                   "WHERE e.type = 'thread.message'"), [("remote", "skipped")])
         # An agent's words reach no agent, from either machine.
         loser.ok("reply", pin["id"], "PBX-AGENT-WORDS from the loser's agent", "--as", "agent",
                  env={"PINBOX_SESSION": "claude:" + lost_key})
@@ -3161,6 +3171,101 @@ class TestSync(SyncCase):
         self.assertIn("from B Person <b@example.com> on %s" % host, row)
         self.assertIn("with claude (ka)", row)
         self.assertIn("Syncing with git remote origin", browser.evaluate("document.getElementById('sync').textContent"))
+
+    def test_a_garbled_or_forged_batch_in_the_remote_is_skipped_and_harms_nothing(self):
+        a, b = self.machines()
+        made = a.ok("pin", "a real pin")
+        a.sync()
+        good = "dev_goodgood01"
+        lines = [b"not json at all", b"[1, 2]", json.dumps({"id": "x", "clock": "1"}).encode()]
+        shapes = [  # each wrong in one way
+            {"type": "pin.created", "data": {"id": "pin_aaaaaaaaaa", "text": 7}},
+            {"type": "pin.created", "data": {"id": "../../etc", "text": "bad id"}},
+            {"type": "pin.created", "data": {"id": "pin_bbbbbbbbbb", "text": "t", "target": "#not-a-dict"}},
+            {"type": "pin.created", "data": {"id": "pin_cccccccccc", "text": "t", "agentSession": {"agent": "x"}}},
+            {"type": "thread.message", "data": {"id": "msg_aaaaaaaaaa", "pinId": made["id"], "text": "t",
+                                                "role": "god"}},
+            {"type": "pin.resolved", "data": {"id": made["id"], "resolution": "done"}},
+            {"type": "pin.verified", "data": {"id": made["id"], "verification": {"outcome": "deleted"}}},
+            {"type": "pin.bound", "data": {"id": made["id"], "agentSession": {"agent": "claude", "key": "-rf"}}},
+            {"type": "pin.deleted", "data": {"id": made["id"]}}]
+        for clock, shape in enumerate(shapes, 1):
+            lines.append(json.dumps(dict(shape, id="%s.%d" % (good, clock), clock=clock, device=good,
+                                         at="2026-01-01T00:00:00.000Z")).encode())
+        forged = {"type": "thread.message", "id": "dev_otherdev01.1", "clock": 1, "device": good,
+                  "at": "2026-01-01T00:00:00.000Z", "data": {"id": "msg_bbbbbbbbbb", "pinId": made["id"],
+                                                              "text": "an id that is not its own", "role": "human"}}
+        fine = {"type": "thread.message", "id": good + ".20", "clock": 20, "device": good,
+                "at": "2026-01-01T00:00:00.000Z", "data": {"id": "msg_cccccccccc", "pinId": made["id"],
+                                                            "text": "the one good line", "role": "human"}}
+        planted = {"type": "pin.created", "id": good + ".21", "clock": 21, "device": good,
+                   "at": "2026-01-01T00:00:00.000Z", "data": {
+                       "id": "pin_dddddddddd", "text": "a pin whose picture names a path of its own", "attachments": [
+                           {"id": "att_dddddddddd", "kind": "screenshot", "url": "/media/att_dddddddddd.png",
+                            "path": "/etc/passwd", "contentType": "image/png"}]}}
+        lines += [json.dumps(forged).encode(), json.dumps(fine).encode(), json.dumps(planted).encode(), b"\xff\xfe"]
+        blob = git_input(a.repo, b"\n".join(lines) + b"\n", "hash-object", "-w", "--stdin")
+        tree = git_input(a.repo, ("100644 blob %s\tevents\n" % blob).encode(), "mktree")
+        commit = git_input(a.repo, b"", "commit-tree", tree, "-m", "garbage\n\nPinbox-Clock: 21\n")
+        git(a.repo, "push", "-q", "origin", "%s:refs/pinbox/devices/%s" % (commit, good))
+        b.sync()
+        self.assertEqual(sorted(p["id"] for p in b.ok("list")), sorted([made["id"], "pin_dddddddddd"]))
+        self.assertNotIn("path", b.ok("show", "pin_dddddddddd")["pin"]["attachments"][0])  # no blob, no path
+        self.assertNotIn("/etc/passwd", b.inject("kb"))
+        shown = b.ok("show", made["id"])
+        self.assertEqual(shown["pin"]["status"], "open")
+        self.assertNotEqual((shown["pin"].get("agentSession") or {}).get("key"), "-rf")  # a forged binding
+        self.assertEqual([m["text"] for m in shown["thread"]], ["the one good line"])
+        self.assertEqual(b.sql("PRAGMA integrity_check"), [("ok",)])
+        self.assertEqual(b.ok("sync")["imported"], 0)  # nothing is tried twice
+
+    def test_a_clone_copied_with_its_store_becomes_a_device_of_its_own(self):
+        a, b = self.machines()
+        a.ok("pin", "before the copy")
+        a.sync()
+        copy = Machine.__new__(Machine)
+        copy.case, copy.name, copy.env = self, "c", a.env
+        copy.repo = os.path.join(self.tmp, "c")
+        shutil.copytree(a.repo, copy.repo, symlinks=True)
+        devices = [a.ok("sync", "--status")["device"]]
+        copy.ok("pin", "made in the copy")
+        a.ok("pin", "made in the original")
+        for machine in (copy, a, b, copy, a):
+            machine.sync()
+        devices.append(copy.ok("sync", "--status")["device"])
+        self.assertNotEqual(devices[0], devices[1])
+        self.assertEqual(len(self.remote_refs("refs/pinbox/devices/").splitlines()), 2)
+        self.assertEqual(sorted(p["text"] for p in b.ok("list")),
+                         ["before the copy", "made in the copy", "made in the original"])
+
+    def test_lock_files_a_killed_git_left_on_pinboxs_refs_do_not_stop_the_next_sync(self):
+        a, b = self.machines()
+        a.ok("pin", "first")
+        a.sync()
+        b.sync()
+        device = a.ok("sync", "--status")["device"]
+        other = b.ok("sync", "--status")["device"]
+        for ref in ("refs/pinbox/devices/" + device, "refs/pinbox/fetched/origin/" + other):
+            os.makedirs(os.path.dirname(os.path.join(a.repo, ".git", ref)), exist_ok=True)
+            with open(os.path.join(a.repo, ".git", ref + ".lock"), "w") as handle:
+                handle.write("0" * 40 + "\n")  # what a git killed mid-update leaves
+        b.ok("pin", "from b")
+        b.sync()
+        a.ok("pin", "second")
+        a.sync()
+        self.assertIn("from b", [p["text"] for p in a.ok("list")])
+        self.assertEqual(len(record_event_ids(self.remote, "refs/pinbox/devices/" + device)), 2)
+
+    def test_the_hubs_sync_never_turns_sync_on_by_itself(self):
+        a, _ = self.machines()
+        a.ok("pin", "stays here")
+        with unittest.mock.patch.dict(os.environ, a.env, clear=True):
+            self.assertIsNone(pinbox.sync_now(a.repo))  # what the hub's thread calls
+            a.sync()
+            a.ok("sync", "--off")
+            self.assertIsNone(pinbox.sync_now(a.repo))
+        self.assertEqual(a.ok("sync", "--status")["enabled"], False)
+        self.assertEqual(len(self.remote_refs("refs/pinbox/").splitlines()), 1)  # the one explicit sync
 
     def test_a_remote_that_refuses_one_that_is_gone_and_none_at_all(self):
         a, b = self.machines()
