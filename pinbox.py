@@ -2430,8 +2430,8 @@ def head_clock(root, sha):
 
 def git_dir(root):
     """The repository's common git folder (worktrees share its refs), or None."""
-    out = git_output(["rev-parse", "--path-format=absolute", "--git-common-dir"], root)
-    return out.strip() if out else None
+    out = git_output(["rev-parse", "--git-common-dir"], root)
+    return os.path.join(root, out.strip()) if out else None  # (relative to root, unless it is absolute)
 
 
 def clear_stale_locks(root, *prefixes):
