@@ -1393,8 +1393,11 @@ def pin_progress(conn, pins):
                 "FROM deliveries WHERE id IN (SELECT MAX(id) FROM deliveries WHERE pin_id IN (%s) "
                 "AND status != 'skipped' GROUP BY pin_id)" % marks, chunk):
             rows[pin_id] = (status, error, at, adapter, sid)
-        for pin_id, raw in conn.execute("SELECT pin_id, json FROM thread_messages WHERE rowid IN (SELECT MAX(rowid) "
-                                        "FROM thread_messages WHERE pin_id IN (%s) GROUP BY pin_id)" % marks, chunk):
+        # The last word in the thread's own order (the one every synced machine shares).
+        for pin_id, raw in conn.execute(
+                "SELECT pin_id, json FROM (SELECT pin_id, json, ROW_NUMBER() OVER (PARTITION BY pin_id ORDER BY "
+                "COALESCE(sort_key, '~') DESC, rowid DESC) AS place FROM thread_messages WHERE pin_id IN (%s)) "
+                "WHERE place = 1" % marks, chunk):
             last_words[pin_id] = json_loads(raw)
     states = {}
     for pin in pins:
@@ -1781,10 +1784,14 @@ def claim_due(store, owner, limit=32):
     [(row id, adapter, event, session, pin)] now leased to `owner`."""
     now = time.time()
     claimed = []
+    # One push at a time per session, oldest first: two resumed agents must never write
+    # into one transcript at once, and a thread reaches its agent in the order it was written.
     due = ("SELECT d.id, d.adapter, d.attempts, d.session_id, e.seq, e.type, e.at, e.payload FROM deliveries d "
            "JOIN events e ON e.seq = d.event_seq WHERE d.status = 'pending' AND d.session_id IS NOT NULL "
            "AND d.due_at IS NOT NULL AND (d.due_at <= :now OR d.updated_at > :stepped) "
            "AND (d.lease_until IS NULL OR d.lease_until < :now OR d.updated_at > :stepped) "
+           "AND NOT EXISTS (SELECT 1 FROM deliveries o WHERE o.session_id = d.session_id AND o.status = 'pending' "
+           "AND o.id != d.id AND o.lease_until >= :now AND o.updated_at <= :stepped) "
            "ORDER BY d.due_at, d.id LIMIT :limit")
     when = {"now": iso_time(now), "stepped": clock_stepped_back(now)}
     with store.guard():
@@ -1792,7 +1799,10 @@ def claim_due(store, owner, limit=32):
             return claimed  # nothing due: no write lock taken from the writers
     with store.write() as conn:
         rows = conn.execute(due, dict(when, limit=limit)).fetchall()
+        taken = set()
         for row_id, adapter, attempts, session_id, seq, kind, at, raw in rows:
+            if session_id in taken:
+                continue  # its session's earlier row goes first
             session = get_session(conn, session_id)
             payload = json_loads(raw)
             pin = find_pin(conn, deliverable_pin(kind, payload))
@@ -1815,6 +1825,7 @@ def claim_due(store, owner, limit=32):
                          "WHERE id = ?", (chosen, claim, iso_time(now + lease), iso_time(), row_id))
             event = {"seq": seq, "type": kind, "at": at, "payload": payload}
             claimed.append((row_id, chosen, event, session, pin, claim))
+            taken.add(session_id)
     return claimed
 
 

@@ -2021,6 +2021,21 @@ pinbox.run(["serve", "--project", repo])
 
 
 class TestQueueRules(DeliveryCase):
+    def test_one_session_gets_one_resume_at_a_time_in_the_order_written(self):
+        log = self.fake_binary("claude", "open(%r, 'a').write('start %%f\\n' %% time.time()); time.sleep(0.4); "
+                               "open(%r, 'a').write('end %%f\\n' %% time.time())"
+                               % ((os.path.join(self.tmp, "spans"),) * 2))
+        self.start_hub()
+        self.ended_session()
+        pin = self.bound_pin("resumed, then told more")
+        for i in range(3):
+            self.ok("reply", pin["id"], "news %d" % i)
+        self.wait_rows(lambda rows: len(rows) == 4 and all(r[2] == "delivered" for r in rows))
+        spans = open(os.path.join(self.tmp, "spans")).read().split()
+        self.assertEqual(spans[::2], ["start", "end"] * 4)  # never two at once
+        told = [json.loads(line)["argv"][-1] for line in open(log)]
+        self.assertEqual([re.findall(r"news \d", t) for t in told], [[], ["news 0"], ["news 1"], ["news 2"]])
+
     def claimed_webhook_row(self, attempts=0):
         """A row bound to an ended session, claimed for a webhook push by `hub-a`."""
         self.ended_session()
@@ -2849,11 +2864,14 @@ class SyncCase(unittest.TestCase):
     def git_daemon(self):
         """`git daemon` serving the remote on 127.0.0.1 (pushes allowed): its git:// URL."""
         port = closed_port()
-        daemon = subprocess.Popen(["git", "daemon", "--export-all", "--enable=receive-pack", "--reuseaddr",
+        # git-daemon itself (`git daemon` would run it as a child of its own, left behind
+        # when `git` is killed), in a process group with whatever it forks.
+        binary = os.path.join(git(self.tmp, "--exec-path"), "git-daemon")
+        daemon = subprocess.Popen([binary, "--export-all", "--enable=receive-pack", "--reuseaddr",
                                    "--listen=127.0.0.1", "--port=%d" % port, "--base-path=" + self.tmp, self.tmp],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         self.addCleanup(daemon.wait)
-        self.addCleanup(daemon.kill)
+        self.addCleanup(os.killpg, daemon.pid, signal.SIGKILL)
         url = "git://127.0.0.1:%d/team.git" % port
         deadline = time.monotonic() + 10  # hang guard
         while subprocess.run(["git", "ls-remote", url], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -3053,6 +3071,13 @@ class TestSync(SyncCase):
             machine.sync()
         state_a, state_b = a.state(), b.state()
         self.assertEqual(state_a, state_b)
+        progress = []
+        for machine in (a, b):  # where each pin stands on the page, from each machine's ledger and thread
+            store = pinbox.Store(os.path.join(machine.repo, ".pinbox"))
+            states, _ = pinbox.pin_progress(store.conn, pinbox.list_pins(store))
+            store.close()
+            progress.append({pin: (s["state"], (s.get("lastMessage") or {}).get("text")) for pin, s in states.items()})
+        self.assertEqual(progress[0], progress[1])
         self.assertEqual(sorted(state_a), sorted(made["a"] + made["b"]))
         self.assertEqual(sum(len(p["thread"]) for p in state_a.values()), replies)
         for machine in (a, b):
