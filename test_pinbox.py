@@ -6416,7 +6416,7 @@ class TestOpenClaw(HubCase):
         self.binary = os.environ.get("PINBOX_TEST_OPENCLAW")
         if not self.binary or not os.access(self.binary, os.X_OK):
             self.skipTest("runs with PINBOX_TEST_OPENCLAW (and PINBOX_TEST_NODE_DIR: Node 24) only: .ci/run installs "
-                          "OpenClaw and runs this in its campaigns, the gateway taking a minute")
+                          "OpenClaw and runs this in its pass of slow tools, the gateway taking a minute")
         PinboxCase.setUp(self)
         self.repo = os.path.realpath(self.repo)
         git_commit(self.repo, "initial")
@@ -7160,12 +7160,12 @@ print(json.dumps({"answers": answers, "problems": [(repr(a)[:300], c, t[:300]) f
 
 
 class TestCommandLine(PinboxCase):
-    COMMAND_LINES = 300
 
     def test_generated_command_lines(self):
+        campaign_only(self, "6,000 generated command lines, each a process of its own")
         import random
         seed = int(os.environ.get("PINBOX_FUZZ_SEED") or random.randrange(1 << 30))
-        count = campaign(self.COMMAND_LINES, 4 * 1500)
+        count = 4 * 1500
         pin = self.pin("kept through the campaign")
         reply = self.ok("reply", pin["id"], "kept too")
         session = self.ok("session", "register", "--agent", "claude", "--key", "k", "--cwd", self.repo)
