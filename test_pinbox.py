@@ -97,6 +97,28 @@ class Result:
         return "<exit %s\nstdout: %s\nstderr: %s>" % (self.code, self.out, self.err)
 
 
+def on_terminal(args, cwd, env):
+    """Runs a pinbox command with stdout on a terminal (human mode), as a person types
+    it; stderr is a pipe."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-c", BOOT] + list(args), cwd=cwd, env=env,
+                            stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.PIPE)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=30)
+    os.close(master)
+    return Result(proc.returncode, b"".join(chunks).decode().replace("\r\n", "\n"), err)
+
+
 class PinboxCase(unittest.TestCase):
     """A fresh git repository with a known author, and a private HOME and state dir."""
 
@@ -140,25 +162,7 @@ class PinboxCase(unittest.TestCase):
         return envelope["error"]
 
     def human(self, *args, cwd=None):
-        """Runs a command with stdout on a terminal (human mode); stderr is a pipe."""
-        master, slave = pty.openpty()
-        proc = subprocess.Popen([sys.executable, "-c", BOOT] + list(args), cwd=cwd or self.repo, env=self.env,
-                                stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.PIPE)
-        os.close(slave)
-        chunks = []
-        while True:
-            try:
-                data = os.read(master, 65536)
-            except OSError:
-                break
-            if not data:
-                break
-            chunks.append(data)
-        err = proc.stderr.read().decode()
-        proc.wait(timeout=30)
-        os.close(master)
-        out = b"".join(chunks).decode().replace("\r\n", "\n")
-        return Result(proc.returncode, out, err)
+        return on_terminal(args, cwd or self.repo, self.env)
 
     def lock_store(self, seconds=10):
         """Another process holds the store's write lock for `seconds`."""
@@ -2781,6 +2785,9 @@ class Machine:
     def sync(self):
         return self.ok("sync")
 
+    def human(self, *args):
+        return on_terminal(args, self.repo, self.env)
+
     def inject(self, key, agent="claude"):
         out = self.run("session", "inject", "--hook", "--agent", agent,
                        stdin=payload(key, "UserPromptSubmit", self.repo)).out
@@ -3295,6 +3302,26 @@ class TestSync(SyncCase):
             self.assertIsNone(pinbox.sync_now(a.repo))
         self.assertEqual(a.ok("sync", "--status")["enabled"], False)
         self.assertEqual(len(self.remote_refs("refs/pinbox/").splitlines()), 1)  # the one explicit sync
+
+    def test_a_person_at_a_terminal_reads_what_sync_did_and_where_it_stands(self):
+        a, b = self.machines()
+        a.ok("pin", "from a")
+        a.sync()
+        done = b.human("sync")
+        self.assertEqual(done.code, 0, done)
+        self.assertEqual(done.err, "synced with origin: 1 event(s) in, 0 out (nothing to push)\n")
+        lines = done.out.splitlines()
+        self.assertEqual(lines[0], "sync       on, with origin")
+        self.assertRegex(lines[1], r"^device     dev_[a-z0-9]{10} on \S+$")
+        self.assertRegex(lines[2], r"^last sync  \d{4}-\d\d-\d\dT")
+        self.assertEqual(lines[3], "waiting    0 local event(s) not pushed yet")
+        self.assertRegex(lines[4], r"^from       dev_[a-z0-9]{10} \(%s\): 1 event\(s\)$" % re.escape(socket.gethostname()))
+        off = b.human("sync", "--off")
+        self.assertEqual((off.code, off.out.splitlines()[0]), (0, "sync       off (last remote: origin)"))
+        self.assertEqual(off.err, "sync is off: nothing leaves this machine until `pinbox sync`\n")
+        both = b.human("sync", "--off", "--status")
+        self.assertEqual((both.code, both.out), (2, ""))
+        self.assertEqual(both.err, "pinbox: --off and --status do not go together\npinbox sync --status, or pinbox sync --off\n")
 
     def test_a_remote_that_refuses_one_that_is_gone_and_none_at_all(self):
         a, b = self.machines()
