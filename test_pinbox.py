@@ -1151,7 +1151,7 @@ class TestStore(PinboxCase):
                   "for i in range(%d):\n"
                   "    with contextlib.redirect_stdout(io.StringIO()):\n"
                   "        codes.append(pinbox.run(['pin', 'race %%s-%%d' %% (sys.argv[1], i), '--json']))\n"
-                  "sys.exit(max(codes))\n" % (HERE, campaign(50, 100)))
+                  "sys.exit(max(codes))\n" % (HERE, campaign(25, 100)))
         procs = [subprocess.Popen([sys.executable, "-c", worker, str(w)], cwd=self.repo, env=self.env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for w in range(8)]
         outputs = [p.communicate(timeout=120) for p in procs]
@@ -1159,7 +1159,7 @@ class TestStore(PinboxCase):
             self.assertEqual(proc.returncode, 0, err)
             self.assertNotIn(b"locked", out + err)
         rows = self.sql("SELECT id, n FROM pins")
-        total = 8 * campaign(50, 100) + 1
+        total = 8 * campaign(25, 100) + 1
         self.assertEqual((len(rows), len({r[0] for r in rows})), (total, total))
         self.assertEqual(sorted(r[1] for r in rows), list(range(1, total + 1)))
         self.assertEqual(self.sql("SELECT COUNT(*) FROM events WHERE type = 'pin.created'")[0][0], total)
@@ -4093,7 +4093,7 @@ class TestHubWireFuzz(HubCase):
     After: the hub lives, the store is intact, rows written before are there, and the
     hub's stderr has no traceback and no token."""
     FULL = campaign_scale() > 1
-    REQUESTS = campaign(600, 4 * 2000)
+    REQUESTS = campaign(400, 4 * 2000)
     SLOW_CLIENTS = 12 if FULL else 4
     IDLE_CLIENTS = 40 if FULL else 10
     SLOW_GAP = 1.0 if FULL else 0.3  # seconds between the bytes of a slow request
@@ -6197,16 +6197,14 @@ class TestHooksFailOpen(HookCase):
             self.assert_quiet(stdin=garbage)
         self.assertEqual(self.ok("summary")["open"], 1)
 
-    PAYLOADS = 12
-
     def test_generated_payloads(self):
         """Seeded garbage for every hook verb and agent: deep nesting, huge strings,
-        binary, bad UTF-8, wrong types in the fields pinbox reads (PINBOX_CAMPAIGN=full:
-        4x as many)."""
+        binary, bad UTF-8, wrong types in the fields pinbox reads."""
+        campaign_only(self, "48 generated payloads for each of the four hook verbs")
         import random
         seed = int(os.environ.get("PINBOX_FUZZ_SEED") or random.randrange(1 << 30))
         rnd = random.Random(seed)
-        count = self.PAYLOADS * campaign_scale()
+        count = 48
         print("\n  hook payload fuzz seed %d: %d payloads × 4 verbs" % (seed, count))
         self.pin()
         odd = [5, None, [], {}, True, -1, 2 ** 70, "k" * 600, "", "-k", "\x00", "\ud800", "..", "../../etc",
