@@ -2295,7 +2295,6 @@ def unread_mail_line(store, session_id):
 SYNC_DEVICE_REFS = "refs/pinbox/devices/"
 SYNC_FETCHED_REFS = "refs/pinbox/fetched/"
 SYNCED_EVENTS = ("pin.created", "thread.message", "pin.resolved", "pin.verified")
-SYNC_MEDIA_LIMIT = 5 * 1024 * 1024  # the hub's own cap on an attachment: every screenshot travels
 SYNC_STATUS_KEYS = ("enabled", "remote", "device", "host", "lastSyncAt", "lastError", "waiting", "devices")
 
 
@@ -2410,6 +2409,9 @@ def git_call(root, args, data=None, env=None, children=None, remote=None):
         end_process_group(proc)
         out, err = b"", b"no answer in %d s (PINBOX_SYNC_TIMEOUT_MS)" % sync_timeout()
         proc.returncode = proc.returncode or -1
+    except BaseException:  # Ctrl-C: its own process group would not get the signal
+        end_process_group(proc)
+        raise
     finally:
         if children is not None:
             children.running.discard(proc)
@@ -2466,9 +2468,9 @@ def author_env(root):
     import socket
     if git_output(["var", "GIT_AUTHOR_IDENT"], root):
         return {}
-    who = {"name": "pinbox", "email": "pinbox@%s" % socket.gethostname()}
-    return {"GIT_AUTHOR_NAME": who["name"], "GIT_AUTHOR_EMAIL": who["email"],
-            "GIT_COMMITTER_NAME": who["name"], "GIT_COMMITTER_EMAIL": who["email"]}
+    email = "pinbox@%s" % socket.gethostname()
+    return {"GIT_AUTHOR_NAME": "pinbox", "GIT_AUTHOR_EMAIL": email, "GIT_COMMITTER_NAME": "pinbox",
+            "GIT_COMMITTER_EMAIL": email}
 
 
 def sync_remote(root, wanted):
@@ -2502,16 +2504,15 @@ def commit_batch(root, store, device, host, children=None):
                                   (device, done)).fetchall()
     if not rows:
         return head, 0
-    import re
     events = [json_loads(raw) for (raw,) in rows]
     media = {}
     folder = os.path.join(store.directory, "media")
     for event in events:
         for attachment in (event["data"].get("attachments") or ()) if event["type"] == "pin.created" else ():
-            name = str(attachment.get("url") or "")[len("/media/"):]
-            path = os.path.join(folder, name)
-            if re.fullmatch(MEDIA_NAME, name) and os.path.isfile(path) and not os.path.islink(path) \
-                    and os.path.getsize(path) <= SYNC_MEDIA_LIMIT:
+            name = media_name(attachment)
+            path = os.path.join(folder, name or "")
+            # Every screenshot the hub took travels: it took none over its own cap.
+            if name and os.path.isfile(path) and not os.path.islink(path) and os.path.getsize(path) <= ATTACHMENT_LIMIT:
                 media[name] = path
     lines = "".join(dumps_compact(event) + "\n" for event in events).encode("utf-8")
     entries = ["100644 blob %s\tevents\n" % git_text(root, ["hash-object", "-w", "--stdin"], data=lines).strip()]
@@ -2629,7 +2630,6 @@ def valid_binding(ref):
 def import_media(root, store, batches):
     """Writes the screenshots of new pins into this store's media folder (before the
     pins: a sync killed between leaves a file nobody names, never a pin naming no file)."""
-    import re
     folder = real_folder(os.path.join(store.directory, "media"))
     wanted = {}
     for sha, _author, _host, events in batches:
@@ -2637,11 +2637,11 @@ def import_media(root, store, batches):
             if event["type"] != "pin.created":
                 continue
             for attachment in event["data"].get("attachments") or ():
-                name = str((attachment or {}).get("url") or "")[len("/media/"):] if isinstance(attachment, dict) else ""
-                if re.fullmatch(MEDIA_NAME, name) and not os.path.exists(os.path.join(folder, name)):
+                name = media_name(attachment)
+                if name and not os.path.exists(os.path.join(folder, name)):
                     wanted["%s:media/%s" % (sha, name)] = name
     for spec, data in read_objects(root, sorted(wanted)).items():
-        if data is not None and len(data) <= SYNC_MEDIA_LIMIT:
+        if data is not None and len(data) <= ATTACHMENT_LIMIT:
             write_file(os.path.join(folder, wanted[spec]), data, private=True)
 
 
@@ -2679,7 +2679,7 @@ def apply_imported(store, ref_heads, batches, device):
                 if event["type"] != "thread.message":
                     touched.append(event["data"]["id"])
         for pin_id in dict.fromkeys(touched):
-            refold_pin(conn, pin_id, appended)
+            refold_pin(conn, pin_id, device, appended)
         for seq, kind, payload in sorted(appended, key=lambda a: a[0]):
             route_event(conn, seq, kind, payload)
         conn.executemany("INSERT INTO sync_imports(ref, commit_sha) VALUES (?, ?) ON CONFLICT(ref) DO UPDATE SET "
@@ -2702,9 +2702,9 @@ def apply_event(conn, store, event, media, appended):
         attachments = []
         for attachment in pin.get("attachments") or ():
             if isinstance(attachment, dict):
-                name = str(attachment.get("url") or "")[len("/media/"):]
+                name = media_name(attachment)
                 attachment = {k: v for k, v in attachment.items() if k != "path"}
-                if re_media(name) and os.path.isfile(os.path.join(media, name)):
+                if name and os.path.isfile(os.path.join(media, name)):
                     attachment["path"] = os.path.join(media, name)
                 attachments.append(attachment)
         if attachments:
@@ -2738,19 +2738,13 @@ def apply_event(conn, store, event, media, appended):
     return True
 
 
-def re_media(name):
-    import re
-    return re.fullmatch(MEDIA_NAME, name) is not None
-
-
-def refold_pin(conn, pin_id, appended):
+def refold_pin(conn, pin_id, device, appended):
     """A pin's status, resolution, verdict and owner, from every event about it in the
     total order: resolutions and reopens as they come, the first binding for good. A
     local session that loses the pin to another machine's is told once."""
     pin = find_pin(conn, pin_id)
     if pin is None:
         return
-    device = sync_setting(conn, "device")
     status, resolution, verification, binding = "open", None, None, None
     news = []
     for raw, seq in conn.execute("SELECT body, seq FROM sync_events WHERE pin_id = ? AND applied = 1 "
@@ -2875,12 +2869,13 @@ def sync_now(root, remote=None, explicit=False, children=None, wait=True):
                 pushed = True
         except PinboxError as err:
             with store.write() as conn:
-                set_sync_settings(conn, lastError="%s: %s" % (err.code, err.message), lastTryAt=iso_time())
+                set_sync_settings(conn, lastError="%s: %s" % (err.code, err.message))
             raise
         with store.write() as conn:
             clock = int(sync_setting(conn, "clock", "0"))
-            set_sync_settings(conn, lastSyncAt=iso_time(), lastTryAt=iso_time(), lastError="", syncedSeq=last_seq(conn),
-                              pushedClock=clock if pushed or commit else sync_setting(conn, "pushedClock", "0"))
+            # With a commit on this device's ref, the remote now holds it (pushed now or before).
+            set_sync_settings(conn, lastSyncAt=iso_time(), lastError="", syncedSeq=last_seq(conn),
+                              pushedClock=clock if commit else sync_setting(conn, "pushedClock", "0"))
         return {"remote": remote, "device": device, "staged": staged, "imported": imported,
                 "written": written, "pushed": pushed}
     finally:
@@ -2972,6 +2967,15 @@ PAGE_LIMIT = 1000
 MEDIA_NAME = r"att_[a-z0-9]{10}\.[a-z]{3,4}"  # the names the hub gives attachment files
 MEDIA_TYPES = {"image/png": "png", "image/webp": "webp", "image/jpeg": "jpg", "image/gif": "gif",
                "text/plain": "txt"}
+
+
+def media_name(attachment):
+    """The name of the hub's own file an attachment's URL (`/media/<name>`) names, or
+    None: whatever else a page or another machine sends never names a file."""
+    import re
+    url = attachment.get("url") if isinstance(attachment, dict) else None
+    name = url[len("/media/"):] if isinstance(url, str) and url.startswith("/media/") else ""
+    return name if re.fullmatch(MEDIA_NAME, name) else None
 
 
 class Request:
@@ -3153,13 +3157,11 @@ def r_list_pins(hub, request):
 def own_attachments(hub, attachments):
     """The attachments a page names, each with the path the hub gave its file: a path
     the page sends is never kept, since agents are told to open it."""
-    import re
     out = []
     for attachment in attachments or ():
         attachment = {k: v for k, v in attachment.items() if k != "path"}
-        url = attachment.get("url") or ""
-        name = url[len("/media/"):] if url.startswith("/media/") else ""
-        if re.fullmatch(MEDIA_NAME, name):
+        name = media_name(attachment)
+        if name:
             path = os.path.join(real_folder(os.path.join(hub.directory, "media")), name)
             if os.path.isfile(path):
                 attachment["path"] = path

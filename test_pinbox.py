@@ -2888,6 +2888,14 @@ class SyncCase(unittest.TestCase):
         return url
 
 
+def _cmdline(pid):
+    try:
+        with open("/proc/%s/cmdline" % pid, "rb") as handle:
+            return handle.read().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
 def _parent_of(pid):
     try:
         with open("/proc/%s/stat" % pid) as handle:
@@ -3322,6 +3330,27 @@ class TestSync(SyncCase):
         both = b.human("sync", "--off", "--status")
         self.assertEqual((both.code, both.out), (2, ""))
         self.assertEqual(both.err, "pinbox: --off and --status do not go together\npinbox sync --status, or pinbox sync --off\n")
+
+    def test_an_interrupted_sync_leaves_no_git_behind(self):
+        a, _ = self.machines()
+        a.ok("pin", "waits for a remote that never answers")
+        git(a.repo, "remote", "set-url", "origin", "ssh://nowhere.invalid/team.git")
+        marker = "%d.%d" % (os.getpid(), int(time.time()))  # a hanging "ssh" that names itself
+        proc = subprocess.Popen([sys.executable, "-c", BOOT, "sync"], cwd=a.repo, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env=dict(a.env, GIT_SSH_COMMAND="sleep 300 %s #" % marker))
+
+        def hanging():
+            return [p for p in os.listdir("/proc") if p.isdigit() and marker in _cmdline(p)]
+        deadline = time.monotonic() + 20  # hang guard
+        while not hanging():
+            self.assertLess(time.monotonic(), deadline, "git never reached its ssh")
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: the terminal signals pinbox's group, not git's
+        proc.wait(timeout=20)
+        deadline = time.monotonic() + 10
+        while hanging() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertEqual(hanging(), [])
 
     def test_a_remote_that_refuses_one_that_is_gone_and_none_at_all(self):
         a, b = self.machines()
