@@ -3341,6 +3341,14 @@ class TestSync(SyncCase):
 
         def hanging():
             return [p for p in os.listdir("/proc") if p.isdigit() and marker in _cmdline(p)]
+
+        def end_leftovers():  # should the test fail, nothing of it stays behind
+            for pid in hanging():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except OSError:
+                    pass
+        self.addCleanup(end_leftovers)
         deadline = time.monotonic() + 20  # hang guard
         while not hanging():
             self.assertLess(time.monotonic(), deadline, "git never reached its ssh")
