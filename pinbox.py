@@ -5204,7 +5204,10 @@ class McpServer:
         """Turns new events into notifications: a new pin changes the list of
         resources (and the open list); a message, resolution or reopen changes its pin.
         (Its own connection: a SQLite connection stays with the thread that opened it.)"""
-        store = Store(self.store.directory, create=False)
+        try:
+            store = Store(self.store.directory, create=False)
+        except (PinboxError, sqlite3.Error):
+            return  # no store to watch (gone, or broken): the tools answer, just without news
         try:
             with store.guard():
                 seen = last_seq(store.conn)
@@ -7405,6 +7408,8 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   if (!script) return;
   const ENDPOINT = new URL(script.src, location.href).origin;
   const TOKEN = script.getAttribute('data-token') || '';
+  const ATTACHMENT_LIMIT = @ATTACHMENT_LIMIT@;  // the hub's cap on one file, filled in below
+  const CAPTURE_WAIT_MS = 3000;  // a picture not drawn by then does not hold the pin back
   const EVENT_TYPES = ['pin.created', 'pin.resolved', 'pin.verified', 'thread.message'];
   // The source stays ASCII so it decodes right whatever charset the hub declares.
   const TIMES = String.fromCharCode(0xd7);  // multiplication sign, for close buttons
@@ -8041,9 +8046,24 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       ctx.fillStyle = '#fff';
       ctx.fillText(String(i + 1), (b.left + 3) * scale, (b.top - 6) * scale);
     });
-    shots.push({ blob: pngOf(canvas), width: canvas.width, height: canvas.height });
-    if (crop) shots.push({ blob: pngOf(crop), width: crop.width, height: crop.height });
+    shots.push(fitting(canvas));
+    if (crop) shots.push(fitting(crop));
     return shots;
+  }
+
+  // A PNG within the hub's cap on one file: a picture too big for it (a busy page on a
+  // high-density screen) is drawn again at half the size until it fits.
+  function fitting(canvas) {
+    let blob = pngOf(canvas);
+    while (blob.size > ATTACHMENT_LIMIT && canvas.width > 64) {
+      const half = document.createElement('canvas');
+      half.width = Math.round(canvas.width / 2);
+      half.height = Math.max(1, Math.round(canvas.height / 2));
+      half.getContext('2d').drawImage(canvas, 0, 0, half.width, half.height);
+      canvas = half;
+      blob = pngOf(canvas);
+    }
+    return { blob, width: canvas.width, height: canvas.height };
   }
 
   // A real tab capture, for what the DOM copy cannot draw (canvas games, video, iframes):
@@ -8173,14 +8193,29 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     return up && up.attachment ? up.attachment : up;
   }
 
-  // Uploads the pictures (at once), then makes the pin with them.
+  // What the hub turns down for good (bad, gone, in conflict, too large): sending it again
+  // cannot help. Anything else (no answer, a busy store, a token to fix) is tried again.
+  const refused = (err) => !!err && ['E_INVALID_INPUT', 'E_NOT_FOUND', 'E_CONFLICT', 'E_ATTACHMENT'].includes(err.code);
+
+  // Uploads the pictures (at once), then makes the pin with them. A picture the hub turns
+  // down is left out rather than costing the pin: { pin, left } names what was left out.
   async function sendPin(fields, shots) {
     const body = Object.assign({}, fields);
-    const attachments = await Promise.all((shots || []).map((shot) => upload(shot.blob)
-      .then((a) => (shot.width ? Object.assign(a, { width: shot.width, height: shot.height }) : a))));
+    const left = [];
+    const attachments = (await Promise.all((shots || []).map((shot) => upload(shot.blob).then(
+      (a) => (shot.width ? Object.assign(a, { width: shot.width, height: shot.height }) : a),
+      (err) => { if (!refused(err)) throw err; left.push(err); return null; })))).filter(Boolean);
     if (attachments.length) body.attachments = attachments;
     const data = await api('POST', '/pins', body);
-    return data && data.pin ? data.pin : data;
+    return { pin: data && data.pin ? data.pin : data, left };
+  }
+
+  // The toast for a pin just stored, saying what it went without and why.
+  function savedToast(pin, missed) {
+    const name = 'Pin #' + ((pin && pin.n) || '?') + ' saved';
+    if (missed.length) toast(name + ' without ' + (missed.length > 1 ? missed.length + ' pictures' : 'a picture'), 'error',
+      missed.map((err) => String((err && err.message) || err)).join('; '));
+    else toast(name);
   }
 
   async function submit() {
@@ -8194,15 +8229,19 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       const target = elements.every((el) => el && el.isConnected) ? describeAll(elements) : state.pickedTarget;
       const body = { text, kind: 'note', target, env: environment(), author: { userId: consumerId() } };
       let shots = [];
-      let missed = null;
+      const missed = [];
       if (ui.captureBox.checked && state.shots) {
-        const got = await state.shots;
-        if (got.failed) missed = got.failed; else shots = got.slice();
+        let timer;
+        const late = new Promise((resolve) => { timer = setTimeout(resolve, CAPTURE_WAIT_MS,
+          { failed: new Error('the screenshot was not ready after ' + CAPTURE_WAIT_MS / 1000 + ' s') }); });
+        const got = await Promise.race([state.shots, late]);
+        clearTimeout(timer);
+        if (got.failed) missed.push(got.failed); else shots = got.slice();
       }
       if (state.file) shots.push({ blob: state.file });
-      let pin;
+      let sent;
       try {
-        pin = await sendPin(body, shots);
+        sent = await sendPin(body, shots);
       } catch (err) {
         if (err.code !== 'E_HUB_UNREACHABLE') throw err;
         await keep({ kind: 'pin', body, shots });
@@ -8210,10 +8249,9 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
         toast('The hub is not answering: the pin is kept in this browser and sent when it is back', 'error');
         return;
       }
-      if (pin && pin.id) upsert(pin);
+      upsert(sent.pin);
       closeComposer();
-      if (missed) toast('Pin #' + ((pin && pin.n) || '?') + ' saved without a screenshot', 'error', String(missed.message || missed));
-      else toast('Pin #' + ((pin && pin.n) || '?') + ' saved');
+      savedToast(sent.pin, missed.concat(sent.left));
     } catch (err) {
       report(err);
     } finally {
@@ -8804,11 +8842,24 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       const items = (await outbox('readonly', (s) => s.getAll())).filter((i) => i.endpoint === ENDPOINT);
       state.waiting = items.length;
       for (const item of items) {
-        if (item.kind === 'pin') upsert(await sendPin(item.body, item.shots));
-        else addMessage(await api('POST', '/pins/' + encodeURIComponent(item.pinId) + '/thread', item.body));
+        try {
+          if (item.kind === 'pin') {
+            const done = await sendPin(item.body, item.shots);
+            upsert(done.pin);
+            if (done.left.length) savedToast(done.pin, done.left);
+          } else {
+            addMessage(await api('POST', '/pins/' + encodeURIComponent(item.pinId) + '/thread', item.body));
+          }
+          sent++;
+        } catch (err) {
+          if (!refused(err)) throw err;
+          // Turned down for good: dropped, or it would hold back all that was written after it.
+          // The toast keeps its words, for the person to copy.
+          toast((item.kind === 'pin' ? 'A pin' : 'A reply') + ' written offline was not taken: ' + err.message, 'error',
+            String(item.body.text || '').slice(0, 300));
+        }
         await outbox('readwrite', (s) => s.delete(item.seq));
         state.waiting--;
-        sent++;
         showOffline();
       }
     } catch (err) {
@@ -8971,7 +9022,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   if (document.body) guard(start)();
   else document.addEventListener('DOMContentLoaded', guard(start), { once: true });
 })();
-"""
+""".replace("@ATTACHMENT_LIMIT@", str(ATTACHMENT_LIMIT))
 
 PAGE_HTML = r"""<!doctype html>
 <meta charset="utf-8"><title>pinbox</title>

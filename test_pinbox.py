@@ -894,6 +894,11 @@ class Chromium:
         self.call("Input.dispatchKeyEvent", down, page=True)
         self.call("Input.dispatchKeyEvent", dict(down, type="keyUp", text=""), page=True)
 
+    def set_files(self, element_js, paths):
+        """Chooses files in an <input type=file>, as a person picking them in the dialog."""
+        found = self.call("Runtime.evaluate", {"expression": element_js}, page=True)["result"]
+        self.call("DOM.setFileInputFiles", {"files": paths, "objectId": found["objectId"]}, page=True)
+
     def allow_clipboard(self, origin):
         self.call("Browser.grantPermissions", {"origin": origin, "permissions": ["clipboardReadWrite",
                                                                                   "clipboardSanitizedWrite"]})
@@ -5606,6 +5611,7 @@ class TestMcpProtocol(unittest.TestCase):
         self.store = pinbox.Store(os.path.join(self.tmp, ".pinbox"))
         self.addCleanup(self.store.close)
         self.server = pinbox.McpServer(self.tmp, self.store, io.BytesIO())
+        self.addCleanup(self.server.stop.set)  # its watching thread, before the folder goes
 
     def answer(self, message):
         raw = message if isinstance(message, bytes) else json.dumps(message).encode()
@@ -5653,6 +5659,14 @@ class TestMcpProtocol(unittest.TestCase):
                          ["error"]["code"], -32601)  # gone in 2026: subscriptions/listen instead
         missing = self.request("resources/read", {"_meta": MODERN_META, "uri": "pinbox://pins/pin_0000000000"})
         self.assertEqual(missing["error"]["code"], -32602)
+
+    def test_a_store_broken_before_the_watch_starts_ends_the_watch_quietly(self):
+        self.store.close()
+        with open(self.store.path, "wb") as handle:
+            handle.write(b"not a database " * 1000)
+        self.server.stop.set()  # a hang guard: a watch that did open a store would end at once
+        self.assertIsNone(self.server.watch())  # no traceback on the client's stderr
+        self.assertEqual(self.request("ping")["result"], {})
 
     def test_bad_messages_get_the_json_rpc_error_they_should(self):
         self.request("initialize", {"protocolVersion": "2025-11-25", "capabilities": {}})
@@ -7568,6 +7582,73 @@ class TestToolbarInChromium(HubCase):
         self.assertEqual([p["text"] for p in pins], ["Heading font", "Buy button is too loud"])
         self.assertNotIn("attachments", pins[0])
 
+    def toasts(self):
+        return self.browser.evaluate(self.in_shadow("Array.from(root.querySelectorAll('.toast')).map(t => "
+                                                    "t.textContent).join(' | ')"))
+
+    def wait_toast(self, *words):
+        try:
+            self.browser.wait_for(self.in_shadow("Array.from(root.querySelectorAll('.toast')).some(t => %s.every(w => "
+                                                 "t.textContent.includes(w)))" % json.dumps(words)), 8)
+        except AssertionError:
+            raise AssertionError("no toast with %r; toasts: %s" % (words, self.toasts()))
+
+    def test_a_picture_that_cannot_be_had_never_costs_the_pin(self):
+        b = self.browser
+        # A canvas blocker (privacy extensions replace toDataURL): no picture can be read back.
+        b.open(self.page("/blocked", "<!doctype html><meta charset=utf-8><title>Blocked</title><script>"
+                         "HTMLCanvasElement.prototype.toDataURL = function () { throw new Error('canvas reading is "
+                         "blocked'); };</script><h1>Blocked</h1><button id=go>Go</button>"))
+        drop_pin(b, "document.getElementById('go')", "Go does nothing")
+        self.wait_toast("Pin #1 saved without a picture", "canvas reading is blocked")
+        self.assertNotIn("attachments", self.wait_pins(lambda pins: pins)[0])
+        # A lazy-loading script that holds back every picture: the copy of the page never draws.
+        b.open(self.page("/lazy", "<!doctype html><meta charset=utf-8><title>Lazy</title><script>"
+                         "const d = Object.getOwnPropertyDescriptor(HTMLImageElement.prototype, 'src');"
+                         "Object.defineProperty(HTMLImageElement.prototype, 'src', {get: d.get, set(v) { "
+                         "this.dataset.later = v; }});</script><h1>Lazy</h1><button id=go>Go</button>"))
+        b.wait_for("!!(%s)" % toolbar_element('[data-pinbox="toggle"]'), 10)
+        b.click_at(toolbar_element('[data-pinbox="toggle"]'))
+        b.click_at("document.getElementById('go')")
+        b.wait_for("!!(%s)" % toolbar_element('[data-pinbox="comment"]'))
+        b.type_text("Go is slow")
+        b.key("Enter", modifiers=b.CTRL)
+        self.wait_toast("Pin #2 saved without a picture", "not ready after 3 s")
+        pins = self.wait_pins(lambda pins: len(pins) == 2)
+        self.assertEqual(pins[0]["text"], "Go is slow")
+        self.assertNotIn("attachments", pins[0])
+        # A busy page on a high-density screen: the picture is drawn smaller until the hub takes it;
+        # an image of the person's own that is too large is left out, and they are told.
+        noise = ("<!doctype html><meta charset=utf-8><title>Noise</title><body style='margin:0'>"
+                 "<canvas id=noise width=2560 height=1600 style='display:block;width:1280px;height:800px'></canvas>"
+                 "<button id=buy style='position:absolute;left:200px;top:150px;padding:20px'>Buy</button><script>"
+                 "const c = document.getElementById('noise').getContext('2d'), img = c.createImageData(2560, 1600);"
+                 "for (let i = 0; i < img.data.length; i += 65536) crypto.getRandomValues(img.data.subarray(i, i + 65536));"
+                 "for (let i = 3; i < img.data.length; i += 4) img.data[i] = 255; c.putImageData(img, 0, 0);</script>")
+        b.open(self.page("/noise", noise))
+        b.call("Emulation.setDeviceMetricsOverride", {"width": 1280, "height": 800, "deviceScaleFactor": 2,
+                                                      "mobile": False}, page=True)
+        big = os.path.join(self.tmp, "holiday.png")
+        with open(big, "wb") as handle:
+            handle.write(make_png(8, 8, (1, 2, 3)) + os.urandom(pinbox.ATTACHMENT_LIMIT))
+        b.wait_for("!!(%s)" % toolbar_element('[data-pinbox="toggle"]'), 10)
+        b.click_at(toolbar_element('[data-pinbox="toggle"]'))
+        b.click_at("document.getElementById('buy')")
+        b.wait_for("!!(%s)" % toolbar_element('[data-pinbox="attach"]'))
+        b.set_files(toolbar_element('[data-pinbox="attach"]'), [big])
+        b.type_text("Buy is lost in the noise")
+        b.key("Enter", modifiers=b.CTRL)
+        self.wait_toast("Pin #3 saved without a picture", "attachment exceeds %d bytes" % pinbox.ATTACHMENT_LIMIT)
+        pins = self.wait_pins(lambda pins: len(pins) == 3)
+        self.assertEqual(pins[0]["text"], "Buy is lost in the noise")
+        view, crop = pins[0]["attachments"]
+        self.assertEqual((view["width"], view["height"]), (1280, 800))  # 2560 x 1600 was over the cap
+        for shot in (view, crop):
+            self.assertLessEqual(os.path.getsize(shot["path"]), pinbox.ATTACHMENT_LIMIT)
+            with open(shot["path"], "rb") as handle:
+                self.assertEqual(read_png(handle.read())[:2], (shot["width"], shot["height"]))
+        self.artifact("capture-left-out.png")
+
     def test_a_tab_capture_is_asked_for_once_and_shows_what_a_page_copy_cannot(self):
         campaign_only(self, "two tab-capture streams in headless Chromium take ~15 s")
         other = self.foreign_picture(make_png(80, 60, (0, 160, 0)))
@@ -7892,13 +7973,17 @@ class TestToolbarInChromium(HubCase):
         b.click_at(self.shadow('[data-pinbox="marker"]'))
         b.wait_for("!!(%s)" % self.shadow('[data-pinbox="reply"]'))
         b.click_at(self.shadow('[data-pinbox="reply"]'))
-        b.type_text("Reply written offline")
+        b.type_text("x" * (pinbox.MAX_TEXT_BYTES + 1))  # more than the hub takes: refused when it is back
         b.key("Enter", modifiers=b.CTRL)
         b.wait_for("(%s).textContent.includes('2 waiting')" % offline, 5)
+        b.type_text("Reply written offline")
+        b.key("Enter", modifiers=b.CTRL)
+        b.wait_for("(%s).textContent.includes('3 waiting')" % offline, 5)
         self.artifact("offline.png")
         self.start_hub()
         b.wait_for("(%s).hidden" % offline, 20)
-        b.wait_for(self.in_shadow("Array.from(root.querySelectorAll('.toast')).some(t => t.textContent.includes('Back online'))"))
+        self.wait_toast("A reply written offline was not taken", "the limit is %d" % pinbox.MAX_TEXT_BYTES)  # and did not hold back the next
+        self.wait_toast("Back online", "2 sent")
         pins = self.api("GET", "/pins")
         made = [p for p in pins if p["text"] == "Written offline"]
         self.assertEqual(len(made), 1, pins)
