@@ -1384,7 +1384,7 @@ def pin_progress(conn, pins):
     delivered (to which session, when) or waiting (for a session, or for its bound one
     to pick up news). Returns (states by pin id, the sessions they name by id)."""
     ids = [pin["id"] for pin in pins]
-    rows, last_words, sessions = {}, {}, {}
+    rows, last_words, sessions, speakers = {}, {}, {}, set()
     for start in range(0, len(ids), 500):  # SQLite's bound-parameter limit
         chunk = ids[start:start + 500]
         marks = ",".join("?" * len(chunk))
@@ -1399,6 +1399,10 @@ def pin_progress(conn, pins):
                 "COALESCE(sort_key, '~') DESC, rowid DESC) AS place FROM thread_messages WHERE pin_id IN (%s)) "
                 "WHERE place = 1" % marks, chunk):
             last_words[pin_id] = json_loads(raw)
+        # Every session that spoke in these threads: a thread drawn later names each of them.
+        speakers.update(ref for (ref,) in conn.execute(
+            "SELECT DISTINCT json_extract(json, '$.session') FROM thread_messages WHERE pin_id IN (%s) "
+            "AND json_extract(json, '$.role') = 'agent'" % marks, chunk) if isinstance(ref, str))
     states = {}
     for pin in pins:
         last = last_words.get(pin["id"])
@@ -1423,11 +1427,11 @@ def pin_progress(conn, pins):
             state["lastMessage"] = {"role": last.get("role"), "text": last.get("text", "")[:300], "at": last.get("at"),
                                     "session": last.get("session")}
         states[pin["id"]] = ordered(state, ("state",))
-        for ref in (state.get("session"), (last or {}).get("session")):
-            if ref and ref not in sessions:
-                found = conn.execute("SELECT agent, key FROM sessions WHERE id = ?", (ref,)).fetchone()
-                if found:
-                    sessions[ref] = {"agent": found[0], "key": found[1]}
+        speakers.update(ref for ref in (state.get("session"), (last or {}).get("session")) if ref)
+    for ref in sorted(speakers.difference(sessions)):
+        found = conn.execute("SELECT agent, key FROM sessions WHERE id = ?", (ref,)).fetchone()
+        if found:
+            sessions[ref] = {"agent": found[0], "key": found[1]}
     return states, sessions
 
 
@@ -7589,6 +7593,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     .toggle[aria-pressed="true"] { background: #1f2328; }
     .toggle.mini { width: 30px; height: 30px; cursor: grab; }
     .toggle.mini svg { width: 14px; height: 14px; }
+    .toggle.mini .count { top: -9px; right: -12px; }
     .count { position: absolute; top: -4px; right: -4px; min-width: 18px; height: 18px; padding: 0 4px; border-radius: 9px;
       background: #fff; color: var(--accent); font-size: 11px; font-weight: 700; line-height: 18px; text-align: center; box-shadow: 0 1px 3px rgba(0,0,0,.3); }
     .overlay { position: fixed; pointer-events: none; border: 2px solid var(--accent); background: rgba(112,72,232,.12); border-radius: 3px; }
@@ -7607,10 +7612,11 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     .marker.resolved:hover { background: #237032; }
     .panel { position: fixed; background: var(--bg); border: 1px solid var(--line); border-radius: 10px; box-shadow: 0 8px 28px rgba(0,0,0,.22);
       display: flex; flex-direction: column; gap: 8px; padding: 10px 12px 12px; }
-    .composer { width: 340px; }
-    .thread { right: 16px; top: 16px; width: 360px; max-height: calc(100vh - 96px); }
-    .drawer { left: 16px; top: 16px; width: 400px; max-height: calc(100vh - 32px); }
-    .help { right: 16px; bottom: 80px; width: 340px; }
+    /* Narrow windows (a phone's, a docked devtools') keep every panel, and its buttons, on screen. */
+    .composer { width: min(340px, calc(100vw - 24px)); }
+    .thread { right: 16px; top: 16px; width: min(360px, calc(100vw - 32px)); max-height: calc(100vh - 96px); }
+    .drawer { left: 16px; top: 16px; width: min(400px, calc(100vw - 32px)); max-height: calc(100vh - 32px); }
+    .help { right: 16px; bottom: 80px; width: min(340px, calc(100vw - 32px)); }
     .help dl { display: grid; grid-template-columns: auto 1fr; gap: 4px 10px; margin: 0; }
     .help dd { margin: 0; color: var(--muted); }
     kbd { font: 11px ui-monospace, Menlo, monospace; border: 1px solid var(--line); border-bottom-width: 2px; border-radius: 4px; padding: 0 4px; background: var(--soft); }
@@ -7632,7 +7638,8 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     .preview { max-width: 100%; max-height: 120px; border-radius: 6px; border: 1px solid var(--line); align-self: flex-start; }
     .badge { font-size: 11px; font-weight: 600; padding: 1px 8px; border-radius: 10px; background: var(--tint); color: var(--accent); }
     .badge.resolved { background: var(--oktint); color: var(--ok); }
-    .meta { display: flex; flex-direction: column; gap: 4px; min-width: 0; }
+    /* A long pin scrolls in its own box: the thread's reply box and buttons stay in reach. */
+    .meta { display: flex; flex-direction: column; gap: 4px; min-width: 0; max-height: 35vh; overflow-y: auto; flex-shrink: 0; }
     .meta code { display: block; }
     .progress { font-size: 12px; padding: 4px 8px; border-radius: 6px; background: var(--soft); color: var(--muted); }
     .progress[data-state="failed"] { color: var(--bad); }
@@ -7648,7 +7655,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     .tabs { display: flex; gap: 6px; }
     .tab[aria-selected="true"] { background: var(--accent); border-color: var(--accent); color: #fff; }
     .drawer-list { overflow-y: auto; min-height: 0; flex: 1; display: flex; flex-direction: column; gap: 10px; }
-    .group-head { font-size: 11px; font-weight: 700; color: var(--muted); text-transform: uppercase; letter-spacing: .03em;
+    .group-head { font-size: 11px; font-weight: 700; color: var(--muted); letter-spacing: .03em;
       overflow: hidden; text-overflow: ellipsis; white-space: nowrap; margin-bottom: 4px; }
     .item { display: flex; gap: 6px; align-items: flex-start; border-top: 1px solid var(--line); padding-top: 6px; }
     .item-open { flex: 1; display: flex; gap: 8px; align-items: flex-start; text-align: left; background: none; border: 0; padding: 2px;
@@ -7656,7 +7663,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     .item-open:hover { background: var(--soft); }
     .item-open .n { font-weight: 700; color: var(--accent); }
     .item-main { flex: 1; min-width: 0; display: flex; flex-direction: column; gap: 2px; }
-    .item-open img { width: 64px; height: 42px; object-fit: cover; border-radius: 4px; border: 1px solid var(--line); }
+    .item-open img { width: 64px; height: 42px; object-fit: contain; background: var(--soft); border-radius: 4px; border: 1px solid var(--line); }
     .offline { position: fixed; right: 76px; bottom: 30px; background: var(--bad); color: #fff; padding: 4px 10px; border-radius: 12px; font-size: 12px; }
     .offscreen { position: fixed; left: -9999px; top: 0; width: 1px; height: 1px; }
     .empty { color: var(--muted); font-style: italic; }
@@ -7939,10 +7946,12 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     const copy = root.cloneNode(true);
     const originals = root.querySelectorAll('*');
     const copies = copy.querySelectorAll('*');  // same order: cloneNode keeps the tree as it is
+    const scrolled = [];
     for (let i = 0; i < originals.length; i++) {
       const el = originals[i];
       const twin = copies[i];
       const tag = el.localName;
+      if ((el.scrollTop || el.scrollLeft) && el !== document.scrollingElement) scrolled.push([el, twin]);
       if (tag === 'img' || tag === 'canvas' || tag === 'video') {
         const r = el.getBoundingClientRect();
         const src = (tag === 'img' && !(el.complete && el.naturalWidth)) ? null
@@ -7967,6 +7976,14 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
         twin.style.cssText += ';position:absolute;left:' + (r.left + scrollX) + 'px;top:' + (r.top + scrollY) +
           'px;right:auto;bottom:auto;width:' + r.width + 'px;height:' + r.height + 'px;margin:0;box-sizing:border-box';
       }
+    }
+    // A copy cannot be scrolled: a scrolled box's children are moved up (and left) by as
+    // much, so the box shows what it shows on screen (the page's own scroll is the viewBox).
+    for (const [el, twin] of scrolled) {
+      Array.from(twin.children).forEach((child, i) => {
+        const own = el.children[i] ? getComputedStyle(el.children[i]).transform : 'none';
+        child.style.transform = 'translate(' + -el.scrollLeft + 'px, ' + -el.scrollTop + 'px)' + (own && own !== 'none' ? ' ' + own : '');
+      });
     }
     const ours = copy.querySelector('#pinbox-toolbar-host');
     if (ours) ours.remove();
@@ -8486,9 +8503,10 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     ui.layer.append(ui.thread);
     renderThreadMeta();
     renderProgress();
-    refreshProgress(id);
+    const speakers = refreshProgress(id);  // never rejects
     ui.reply.focus();
-    return api('GET', '/pins/' + encodeURIComponent(id) + '/thread').then((data) => {
+    // Drawn once the sessions that spoke are known, so that each message names its agent.
+    return Promise.all([api('GET', '/pins/' + encodeURIComponent(id) + '/thread'), speakers]).then(([data]) => {
       if (state.threadId !== id) return;
       const got = Array.isArray(data) ? data : (data && data.messages) || [];
       // Keep anything the stream delivered while the GET was in flight.

@@ -7593,6 +7593,41 @@ class TestToolbarInChromium(HubCase):
         except AssertionError:
             raise AssertionError("no toast with %r; toasts: %s" % (words, self.toasts()))
 
+    def test_a_picture_shows_a_scrolled_box_as_it_is_on_screen(self):
+        colours = [(200, 30, 30), (30, 160, 30), (30, 60, 200), (220, 160, 0), (140, 40, 160), (0, 150, 150),
+                   (90, 90, 90), (240, 90, 160)]
+        lines = "".join("<p id=l%d style='margin:0;height:50px;background:rgb%s'>Line %d</p>" % (i, c, i)
+                        for i, c in enumerate(colours))
+        b = self.browser
+        b.open(self.page("/inner", "<!doctype html><meta charset=utf-8><title>Inner</title><body style='margin:30px'>"
+                         "<div id=box style='height:150px;width:300px;overflow:auto'>%s</div>" % lines))
+        b.evaluate("document.getElementById('box').scrollTop = 250")  # to the end: lines 5, 6 and 7 show
+        drop_pin(b, "document.getElementById('l6')", "Line 6 is the wrong colour")
+        pins = self.wait_pins(lambda pins: pins and len(pins[0].get("attachments") or []) == 2)
+        view, crop = pins[0]["attachments"]
+        with open(crop["path"], "rb") as handle:
+            _, _, cpx = read_png(handle.read())
+        counts = {}
+        for row in cpx:
+            for px in row:
+                counts[px[:3]] = counts.get(px[:3], 0) + 1
+        self.assertEqual(max(counts, key=counts.get), colours[6])  # the line picked, not the box's first ones
+        with open(view["path"], "rb") as handle:
+            _, _, pixels = read_png(handle.read())
+        self.assertEqual(pixels[30 + 5][30 + 200][:3], colours[5])  # the box's top edge shows line 5
+        self.artifact("capture-inner-scroll.png")
+        # A page without a doctype scrolls its body (quirks mode): that scroll is the page's own.
+        b.open(self.page("/quirks", "<title>Quirks</title><body style='margin:0'><div style='height:900px'></div>"
+                         "<button id=buy style='background:rgb(30,60,200);border:0;padding:30px 60px'>Buy</button>"
+                         "<div style='height:900px'></div>"))
+        b.evaluate("scrollTo(0, 700)")
+        drop_pin(b, "document.getElementById('buy')", "Buy is too far down")
+        pins = self.wait_pins(lambda pins: len(pins) == 2 and len(pins[0].get("attachments") or []) == 2)
+        with open(pins[0]["attachments"][1]["path"], "rb") as handle:
+            _, _, cpx = read_png(handle.read())
+        centre = cpx[len(cpx) // 2][len(cpx[0]) // 2][:3]
+        self.assertTrue(all(abs(got - want) <= 16 for got, want in zip(centre, (30, 60, 200))), centre)  # the button
+
     def test_a_picture_that_cannot_be_had_never_costs_the_pin(self):
         b = self.browser
         # A canvas blocker (privacy extensions replace toDataURL): no picture can be read back.
@@ -7817,6 +7852,54 @@ class TestToolbarInChromium(HubCase):
         b.wait_for("!(%s)" % self.shadow('[data-pinbox="accept"]'))
         self.assertEqual(self.ok("show", pin["id"])["pin"]["verification"]["outcome"], "accepted")
         print("\n  status reached the page after: %s" % ", ".join("%s %.2f s" % kv for kv in took.items()))
+        # After a reload the thread still names the agent, though a person spoke last.
+        self.api("POST", "/pins/%s/thread" % pin["id"], {"role": "human", "text": "thanks"}, 201)
+        b.open(self.url)
+        b.wait_for("!!(%s)" % marker, 10)
+        b.click_at(marker)
+        b.wait_for(self.in_shadow("Array.from(root.querySelectorAll('[data-pinbox=\"message\"] .who')).map(w => "
+                                  "w.textContent.split(' · ').slice(0, -1).join(' · ')).join('|') === "
+                                  "'agent · claude (k-live-s)|human'"))
+
+    def test_a_long_pin_in_a_narrow_window_leaves_every_control_in_reach(self):
+        text = "The shipping row is cut off. " * 180  # about 5 KB
+        pin = self.api("POST", "/pins", {"text": text, "author": {"userId": "u"},
+                                         "target": {"url": self.url, "selector": "h1"}}, 201)
+        elsewhere = self.api("POST", "/pins", {"text": "Footer", "author": {"userId": "u"},
+                                               "target": {"url": self.site + "/About/Us", "selector": "footer"}}, 201)
+        b = self.browser
+        b.open(self.url)
+        b.call("Emulation.setDeviceMetricsOverride", {"width": 400, "height": 700, "deviceScaleFactor": 1,
+                                                      "mobile": False}, page=True)
+        marker = self.shadow('[data-pinbox="marker"]')
+        b.wait_for("!!(%s)" % marker, 10)
+        on_screen = ("(() => { const r = (%s).getBoundingClientRect(); return r.width > 0 && r.left >= 0 && r.top >= 0 && "
+                     "r.right <= innerWidth && r.bottom <= innerHeight; })()")
+        b.click_at(marker)
+        for control in ("reply", "send", "resolve"):
+            b.wait_for(on_screen % self.shadow('[data-pinbox="%s"]' % control))
+        self.artifact("long-pin-narrow.png")
+        b.click_at(self.shadow('[data-pinbox="reply"]'))
+        b.type_text("Seen on a phone too")
+        b.click_at(self.shadow('[data-pinbox="send"]'))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not self.ok("show", pin["id"])["thread"]:
+            time.sleep(0.1)
+        self.assertEqual([m["text"] for m in self.ok("show", pin["id"])["thread"]], ["Seen on a phone too"])
+        b.key("Escape")
+        b.click(5, 650)
+        b.key("i")
+        drawer = self.shadow('[data-pinbox="drawer"]')
+        b.wait_for("!!(%s)" % drawer)
+        for control in ('[data-pinbox="drawer"]', '[data-pinbox="search"]', '[data-pinbox="copy-all"]',
+                        '[aria-label="Close the list"]'):
+            b.wait_for(on_screen % self.shadow(control))
+        heads = b.evaluate(self.in_shadow("Array.from(root.querySelectorAll('.group-head')).map(h => h.innerText)"))
+        self.assertEqual(heads, ["This page (1)", self.site + "/About/Us (1)"])  # a URL as written
+        self.assertIn(elsewhere["id"], b.evaluate("(%s).innerHTML" % drawer))
+        self.artifact("drawer-narrow.png")
+        b.click_at(self.shadow('[aria-label="Close the list"]'))
+        b.wait_for("!(%s)" % drawer)
 
     def test_shift_click_makes_one_pin_of_several_elements(self):
         url = self.page("/form", "<!doctype html><meta charset=utf-8><title>Form</title><h1>Sign up</h1>"
