@@ -3476,12 +3476,28 @@ class Hub:
         return _Borrowed(self)
 
     def open_proxy(self, upstream):
-        """The port of the page proxy for an app, started the first time it is asked for."""
+        """The port of the page proxy for an app, started the first time it is asked for
+        (on any free port, kept for the next hubs: see restore_proxies)."""
         with self._lock:
             server = self.proxies.get(upstream)
             if server is None:
-                server = self.proxies[upstream] = start_proxy(self, upstream)
+                server = self.proxies[upstream] = start_proxy(self, upstream, 0)
+                ports = proxy_ports(self.root)
+                ports[origin_of(*upstream)] = server.server_address[1]
+                write_file(proxy_ports_path(self.root), dumps_compact(ports) + "\n", private=True)
         return server.server_address[1]
+
+    def restore_proxies(self):
+        """The page proxies of earlier hubs, on their ports again: a tab left open on one,
+        and each pin made there, keep their address when the hub restarts."""
+        for origin, port in proxy_ports(self.root).items():
+            try:
+                upstream = parse_upstream(origin)
+                with self._lock:
+                    if upstream not in self.proxies:
+                        self.proxies[upstream] = start_proxy(self, upstream, port)
+            except (PinboxError, OSError):
+                continue  # its port is taken now: `pinbox open` gives it another, kept from then on
 
     def close_proxies(self):
         for server in list(self.proxies.values()):
@@ -4089,6 +4105,7 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
         bound = hub.port = server.server_address[1]
         # Before hub.json exists: a signal sent as soon as it appears must still clean up.
         handle_stop_signals(hub, server)
+        hub.restore_proxies()
         write_file(port_path, "%d\n" % bound, private=True)
         write_file(hub_json, json.dumps({"pid": os.getpid(), "port": bound, "token": hub.token,
                                          "version": VERSION}, indent=2) + "\n", private=True)
@@ -4131,6 +4148,23 @@ def open_hub(root, token_path, ephemeral_inbox):
     hub = Hub(root, directory, project_token(token_path))
     hub.read_tail()  # where the tail starts: a stream can be handed to the broadcast at once
     return hub
+
+
+def proxy_ports_path(root):
+    return os.path.join(state_dir(root), "proxies.json")
+
+
+def proxy_ports(root):
+    """{app origin: port} of the page proxies this project's hubs have served."""
+    try:
+        with open(proxy_ports_path(root), encoding="utf-8") as handle:
+            data = json_loads(handle.read())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {origin: port for origin, port in data.items()
+            if isinstance(origin, str) and type(port) is int and 0 < port < 65536}
 
 
 def last_port(port_path):
@@ -4650,13 +4684,14 @@ def pipe_bytes(read, sock):
         pass
 
 
-def start_proxy(hub, upstream):
-    """A page proxy for `upstream` on a free port of 127.0.0.1, served by a thread of the hub."""
+def start_proxy(hub, upstream, port):
+    """A page proxy for `upstream` on `port` of 127.0.0.1 (0: any free one), served by a
+    thread of the hub."""
     import http.server
     import threading
     server_class = type("PageProxy", (ProxyServer, http.server.ThreadingHTTPServer), {})
     handler_class = type("ProxyRequest", (ProxyHandler, http.server.BaseHTTPRequestHandler), {})
-    server = server_class(("127.0.0.1", 0), handler_class, hub, upstream)
+    server = server_class(("127.0.0.1", port), handler_class, hub, upstream)
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
     return server
 

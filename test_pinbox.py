@@ -5213,6 +5213,43 @@ class TestPageProxy(HubCase):
         self.assertIn("Origin: http://localhost:%d\r\n" % port, head)
         self.assertIn("Upgrade: websocket\r\n", head)
 
+    def test_a_hub_started_again_serves_each_app_where_it_was(self):
+        app, _ = fake_app(self, {"/": lambda h: send_plain(h, 200, b"<p>one</p>", [("Content-Type", "text/html")])})
+        other, _ = fake_app(self, {"/": lambda h: send_plain(h, 200, b"<p>two</p>", [("Content-Type", "text/html")])})
+        first = self.open_app(app)
+        second = self.open_app(other)
+        self.stop_hub(self.proc)
+        self.assertRaises(OSError, self.fetch, "GET", "/", port=first)
+        self.start_hub()
+        # A tab left open reloads: the new hub serves the app on its old port before anyone asks.
+        status, _, page = self.fetch("GET", "/", port=first)
+        self.assertEqual(status, 200)
+        self.assertTrue(page.startswith(b"<p>one</p>") and b"/toolbar.js" in page, page)
+        self.assertEqual(self.fetch("GET", "/", port=second)[2][:10], b"<p>two</p>")
+        self.assertEqual(self.open_app(app), first)  # and `pinbox open` says the same address
+        # A port something else took meanwhile: the app gets another, kept from then on.
+        self.stop_hub(self.proc)
+        squatter = socket.socket()
+        squatter.bind(("127.0.0.1", first))
+        squatter.listen(1)
+        self.addCleanup(squatter.close)
+        self.start_hub()
+        moved = self.open_app(app)
+        self.assertNotEqual(moved, first)
+        self.assertEqual(self.fetch("GET", "/", port=moved)[2][:10], b"<p>one</p>")
+        squatter.close()
+        self.stop_hub(self.proc)
+        self.start_hub()
+        self.assertEqual(self.open_app(app), moved)
+        for garbage in ("{not json", '{"http://localhost:1": "x", "http://localhost:2": 99999, "x": 80}', "[]"):
+            self.stop_hub(self.proc)
+            kept = [os.path.join(root, "proxies.json") for root, _, files in os.walk(self.env["XDG_STATE_HOME"])
+                    if "proxies.json" in files]
+            self.assertEqual(len(kept), 1, kept)
+            pinbox.write_file(kept[0], garbage)
+            self.start_hub()
+            self.assertEqual(self.fetch("GET", "/", port=self.open_app(app))[0], 200)
+
     def test_open_shows_the_address_in_the_persons_browser(self):
         opened = os.path.join(self.tmp, "opened")
         browser = os.path.join(self.tmp, "browser")
