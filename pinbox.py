@@ -1448,8 +1448,8 @@ CONTEXT_LIMIT = 9000  # Claude Code turns hook output over 10,000 characters int
 POINTER = ("Details: `pinbox show <id>` · reply: `pinbox reply <id> <text> --as agent` · "
            "when fixed, commit with `Fixes: <id>` or run `pinbox resolve <id> --as agent`")
 QUOTE_LIMIT = 2000
-SEEING = ("Attached files are pictures of what the person saw when they dropped the pin: open a path "
-          "(e.g. with your file-reading tool) to look at it.")
+SEEING = ("Attached files are pictures of what the person saw when they dropped the pin, or images they "
+          "added: open a path (e.g. with your file-reading tool) to look at it.")
 
 
 LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # what str.splitlines breaks at
@@ -7770,6 +7770,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   const PICKABLE = 'a[href],button,input,select,textarea,summary,[tabindex],[role=button],h1,h2,h3,h4,h5,h6,p,li,img,label,td,th,figure,video,canvas';
 
   function startPicking() {
+    if (state.wrongToken) { wrongToken(); return; }
     closeComposer();
     closeHelp();
     state.picking = true;
@@ -8189,6 +8190,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       h('div', { class: 'actions' }, h('button', { type: 'button', onclick: closeComposer }, 'Cancel'), ui.submit));
     ui.layer.append(ui.composer);
     positionAll();
+    if (state.draft) comment.value = state.draft;
     comment.focus();
   }
 
@@ -8228,8 +8230,12 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     ui.preview.hidden = false;
   }
 
+  // A comment not sent is kept for the next pin: Esc, Cancel or a click elsewhere lose nothing.
   function closeComposer() {
     if (!ui.composer) return;
+    const draft = ui.comment.value.trim();
+    if (draft && draft !== state.draft) toast('Draft kept: it comes back with your next pin');
+    state.draft = draft;
     for (const img of [ui.preview, ui.shot]) if (img && img.src) URL.revokeObjectURL(img.src);
     ui.composer.remove();
     ui.composer = null;
@@ -8240,8 +8246,9 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     positionAll();
   }
 
-  async function upload(blob, type) {
-    const up = await api('POST', '/attachments?kind=screenshot', blob, type || blob.type || 'application/octet-stream');
+  // A picture the toolbar drew is a screenshot; one the person chose or pasted, a file.
+  async function upload(blob, kind) {
+    const up = await api('POST', '/attachments?kind=' + kind, blob, blob.type || 'application/octet-stream');
     return up && up.attachment ? up.attachment : up;
   }
 
@@ -8254,7 +8261,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   async function sendPin(fields, shots) {
     const body = Object.assign({}, fields);
     const left = [];
-    const attachments = (await Promise.all((shots || []).map((shot) => upload(shot.blob).then(
+    const attachments = (await Promise.all((shots || []).map((shot) => upload(shot.blob, shot.kind || 'screenshot').then(
       (a) => (shot.width ? Object.assign(a, { width: shot.width, height: shot.height }) : a),
       (err) => { if (!refused(err)) throw err; left.push(err); return null; })))).filter(Boolean);
     if (attachments.length) body.attachments = attachments;
@@ -8290,18 +8297,20 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
         clearTimeout(timer);
         if (got.failed) missed.push(got.failed); else shots = got.slice();
       }
-      if (state.file) shots.push({ blob: state.file });
+      if (state.file) shots.push({ blob: state.file, kind: 'file' });
       let sent;
       try {
         sent = await sendPin(body, shots);
       } catch (err) {
         if (err.code !== 'E_HUB_UNREACHABLE') throw err;
         await keep({ kind: 'pin', body, shots });
+        ui.comment.value = '';
         closeComposer();
         toast('The hub is not answering: the pin is kept in this browser and sent when it is back', 'error');
         return;
       }
       upsert(sent.pin);
+      ui.comment.value = '';
       closeComposer();
       savedToast(sent.pin, missed.concat(sent.left));
     } catch (err) {
@@ -9068,8 +9077,21 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
         renderMarkers();
         return refreshProgress();
       })
-      .catch(report)
-      .then(connect);
+      .then(connect, (err) => {
+        if (err && err.code === 'E_AUTH') { state.wrongToken = true; wrongToken(); return; }
+        report(err);
+        connect();
+      });
+  }
+
+  // A tag copied from another project, or from before the token changed: said at once, and
+  // for as long as the page is open, instead of at the first pin and in a retrying stream.
+  function wrongToken() {
+    const old = ui.toasts.querySelector('[data-pinbox="wrong-token"]');
+    if (old) old.remove();
+    ui.toasts.append(h('div', { class: 'toast error', 'data-pinbox': 'wrong-token', role: 'alert' },
+      "This page's pinbox tag has a wrong or old token, so pins cannot be saved.",
+      h('small', null, 'Run `pinbox toolbar` in the project for the right tag, or `pinbox open` for a page proxy.')));
   }
 
   if (document.body) guard(start)();

@@ -7612,12 +7612,18 @@ class TestToolbarInChromium(HubCase):
         b.click_at("document.querySelector('h1')")
         b.wait_for("!!(%s)" % toolbar_element('[data-pinbox="capture"]'))
         b.click_at(toolbar_element('[data-pinbox="capture"]'))
+        own = os.path.join(self.tmp, "mockup.png")  # the person's own picture instead
+        with open(own, "wb") as handle:
+            handle.write(make_png(30, 20, (250, 200, 0)))
+        b.set_files(toolbar_element('[data-pinbox="attach"]'), [own])
         b.click_at(toolbar_element('[data-pinbox="comment"]'))
         b.type_text("Heading font")
         b.click_at(toolbar_element('[data-pinbox="submit"]'))
-        pins = self.wait_pins(lambda pins: len(pins) == 2)
+        pins = self.wait_pins(lambda pins: len(pins) == 2 and pins[0].get("attachments"))
         self.assertEqual([p["text"] for p in pins], ["Heading font", "Buy button is too loud"])
-        self.assertNotIn("attachments", pins[0])
+        self.assertEqual([a["kind"] for a in pins[0]["attachments"]], ["file"])  # no screenshot, and not called one
+        with open(pins[0]["attachments"][0]["path"], "rb") as handle, open(own, "rb") as mine:
+            self.assertEqual(handle.read(), mine.read())
 
     def toasts(self):
         return self.browser.evaluate(self.in_shadow("Array.from(root.querySelectorAll('.toast')).map(t => "
@@ -7629,6 +7635,26 @@ class TestToolbarInChromium(HubCase):
                                                  "t.textContent.includes(w)))" % json.dumps(words)), 8)
         except AssertionError:
             raise AssertionError("no toast with %r; toasts: %s" % (words, self.toasts()))
+
+    def test_a_tag_with_a_wrong_token_says_so_at_once_and_stops_there(self):
+        self.files["/stale"] = ("text/html; charset=utf-8", (
+            "<!doctype html><meta charset=utf-8><title>Stale</title><script>window.streams = 0; const ES = EventSource;"
+            "window.EventSource = function (url) { window.streams++; return new ES(url); };</script><h1>Stale</h1>"
+            "<script src='http://127.0.0.1:%d/toolbar.js' data-token='tok_from_another_project'></script>"
+            % self.port).encode())
+        b = self.browser
+        b.open(self.site + "/stale")
+        banner = self.shadow('[data-pinbox="wrong-token"]')
+        b.wait_for("!!(%s)" % banner, 10)
+        self.assertIn("wrong or old token", b.evaluate("(%s).textContent" % banner))
+        self.assertIn("pinbox toolbar", b.evaluate("(%s).textContent" % banner))
+        b.key("p")  # picking would only end in a refusal: the banner again instead
+        time.sleep(0.3)
+        self.assertNotEqual(b.evaluate("(%s).getAttribute('aria-pressed')" % self.shadow('[data-pinbox="toggle"]')),
+                            "true")
+        self.assertTrue(b.evaluate("!!(%s)" % banner))
+        self.assertEqual(b.evaluate("window.streams"), 0)  # no live stream retrying a token that cannot work
+        self.artifact("wrong-token.png")
 
     def test_a_picture_shows_a_scrolled_box_as_it_is_on_screen(self):
         colours = [(200, 30, 30), (30, 160, 30), (30, 60, 200), (220, 160, 0), (140, 40, 160), (0, 150, 150),
@@ -7995,6 +8021,13 @@ class TestToolbarInChromium(HubCase):
         toggle = self.shadow('[data-pinbox="toggle"]')
         b.key("m")
         b.wait_for("(%s).dataset.minimized === 'true' && (%s).hidden" % (toggle, markers))
+        count = self.shadow(".count")
+        self.assertEqual(b.evaluate("[(%s).textContent, (%s).hidden]" % (count, count)), ["1", False])  # open pins
+        self.assertEqual(b.evaluate(self.in_shadow("(() => { const a = root.querySelector('.toggle svg')"
+                                                   ".getBoundingClientRect(), c = root.querySelector('.count')"
+                                                   ".getBoundingClientRect(); return Math.max(0, Math.min(a.right, c.right) - "
+                                                   "Math.max(a.left, c.left)) * Math.max(0, Math.min(a.bottom, c.bottom) - "
+                                                   "Math.max(a.top, c.top)); })()")), 0)  # the count beside the icon, not on it
         x, y = b.centre(toggle)
         b.mouse("mouseMoved", x, y)
         b.mouse("mousePressed", x, y)
@@ -8090,6 +8123,10 @@ class TestToolbarInChromium(HubCase):
         b.key("Enter", modifiers=b.CTRL)
         offline = self.shadow('[data-pinbox="offline"]')
         b.wait_for("!(%s).hidden && (%s).textContent.includes('1 waiting')" % (offline, offline), 5)
+        b.key("p")  # the next pin starts empty: what was kept is not a draft
+        b.click_at("document.querySelector('h1')")
+        b.wait_for("(%s).value === ''" % toolbar_element('[data-pinbox="comment"]'))
+        b.key("Escape")
         b.click_at(self.shadow('[data-pinbox="marker"]'))
         b.wait_for("!!(%s)" % self.shadow('[data-pinbox="reply"]'))
         b.click_at(self.shadow('[data-pinbox="reply"]'))
@@ -8152,6 +8189,21 @@ class TestToolbarInChromium(HubCase):
         b.wait_for("(%s).getAttribute('aria-pressed') !== 'true'" % toggle)
         self.assertEqual(b.evaluate("document.getElementById('pinbox-toolbar-host').shadowRoot"
                                     ".querySelectorAll('[data-pinbox=\"marker\"]').length"), 1)  # only this page's
+        # Esc on a half-written pin keeps its words for the next one.
+        comment = toolbar_element('[data-pinbox="comment"]')
+        b.key("p", 80)
+        b.click_at("document.querySelector('.card p')")
+        b.wait_for("!!(%s)" % comment)
+        b.type_text("half a thought")
+        b.key("Escape", 27)
+        b.wait_for("!(%s)" % comment)
+        self.wait_toast("Draft kept")
+        b.key("p", 80)
+        b.click_at("document.getElementById('save')")
+        b.wait_for("!!(%s) && (%s).value === 'half a thought'" % (comment, comment))
+        b.key("Escape", 27)
+        b.wait_for("!(%s)" % comment)
+        self.assertEqual(len(self.api("GET", "/pins")), 2)  # nothing was pinned
         b.click_at(marker)
         b.wait_for("!!(%s)" % self.shadow('[data-pinbox="reopen"]'))
         b.click_at(self.shadow('[data-pinbox="reopen"]'))
