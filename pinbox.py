@@ -7698,7 +7698,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     .item-open:hover { background: var(--soft); }
     .item-open .n { font-weight: 700; color: var(--accent); }
     .item-main { flex: 1; min-width: 0; display: flex; flex-direction: column; gap: 2px; }
-    .item-open img { width: 64px; height: 42px; object-fit: contain; background: var(--soft); border-radius: 4px; border: 1px solid var(--line); }
+    .item-open img { width: 64px; height: 42px; object-fit: cover; border-radius: 4px; border: 1px solid var(--line); }
     .offline { position: fixed; right: 76px; bottom: 30px; background: var(--bad); color: #fff; padding: 4px 10px; border-radius: 12px; font-size: 12px; }
     .offscreen { position: fixed; left: -9999px; top: 0; width: 1px; height: 1px; }
     .empty { color: var(--muted); font-style: italic; }
