@@ -8728,14 +8728,15 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     const here = onThisPage(pin);
     const last = (state.progress[pin.id] || {}).lastMessage;
     const shot = (pin.attachments || []).filter((a) => a && a.url && String(a.contentType || 'image/').startsWith('image/'));
-    const owner = (pin.agentSession ? pin.agentSession.agent + ' (' + String(pin.agentSession.key).slice(0, 8) + ')' +
-      (pin.agentSession.host ? ' on ' + pin.agentSession.host : '') : 'no agent yet') +
-      (pin.machine ? ' ' + DOT + ' ' + fromMachine(pin) : '');
+    // Who has it; for a pin no session has taken yet, where it stands says which one it waits for.
+    const owner = [pin.agentSession ? pin.agentSession.agent + ' (' + String(pin.agentSession.key).slice(0, 8) + ')' +
+      (pin.agentSession.host ? ' on ' + pin.agentSession.host : '') : progressText(pin) ? '' : 'no agent yet',
+    fromMachine(pin), progressText(pin)].filter(Boolean).join(' ' + DOT + ' ');
     const body = [h('span', { class: 'n' }, '#' + (pin.n || '?')),
       h('div', { class: 'item-main' },
         h('div', { class: 'item-text' }, collapse(pin.text).slice(0, 140)),
         h('code', null, where(pin)),
-        h('div', { class: 'note' }, owner + (progressText(pin) ? ' ' + DOT + ' ' + progressText(pin) : '')),
+        h('div', { class: 'note' }, owner),
         last ? h('div', { class: 'note last' }, last.role + ': ' + collapse(last.text).slice(0, 100)) : null),
       shot.length ? authImage(shot[shot.length - 1].url, 'screenshot of pin ' + pin.n) : null];
     const open = here

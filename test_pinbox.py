@@ -7899,6 +7899,14 @@ class TestToolbarInChromium(HubCase):
             took[step] = time.monotonic() - started
             self.artifact("status-%s.png" % step)
         self.ok("session", "register", "--agent", "claude", "--key", "k-live-status-1")
+        until("(%s).textContent === 'Waiting for claude (k-live-s) to pick it up'" % progress, "routed")
+        b.key("Escape")
+        b.key("i")
+        note = self.shadow('[data-pinbox="drawer-pin"] .note')
+        b.wait_for("(%s) && (%s).textContent === 'Waiting for claude (k-live-s) to pick it up'" % (note, note))
+        b.key("Escape")
+        b.click_at(marker)
+        b.wait_for("!!(%s)" % progress)
         self.run_pinbox("session", "inject", "--agent", "claude", "--key", "k-live-status-1")
         until("(%s).dataset.state === 'delivered' && (%s).textContent.startsWith('Delivered to claude (k-live-s) at ')"
               % (progress, progress), "delivered")
