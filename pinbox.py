@@ -8384,11 +8384,30 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     if (t.selector) {
       let el = null;
       try { el = document.querySelector(t.selector); } catch (err) { el = null; }
-      return el && el.getClientRects().length ? el.getBoundingClientRect() : null;
+      return el && el.getClientRects().length ? shownRect(el) : null;
     }
     const r = t.rect;
     if (!r) return null;
     return { left: r.x - scrollX, top: r.y - scrollY, right: r.x + r.width - scrollX, bottom: r.y + r.height - scrollY, width: r.width, height: r.height };
+  }
+
+  // The part of an element left inside every box that clips it (a list, a panel scrolled
+  // on its own): null when it is scrolled out of one, so no marker floats outside the box.
+  function shownRect(el) {
+    const r = el.getBoundingClientRect();
+    let { left, top, right, bottom } = r;
+    if (getComputedStyle(el).position !== 'fixed') {
+      for (let box = el.parentElement; box && box !== document.body; box = box.parentElement) {
+        const style = getComputedStyle(box);
+        if (style.overflowX === 'visible' && style.overflowY === 'visible') continue;
+        const c = box.getBoundingClientRect();
+        left = Math.max(left, c.left); top = Math.max(top, c.top);
+        right = Math.min(right, c.right); bottom = Math.min(bottom, c.bottom);
+        if (right < left || bottom < top) return null;
+        if (style.position === 'fixed') break;
+      }
+    }
+    return { left, top, right, bottom, width: right - left, height: bottom - top };
   }
 
   function elementName(el) {

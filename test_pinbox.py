@@ -7808,6 +7808,13 @@ class TestToolbarInChromium(HubCase):
         b.wait_for("scrollY > 0")
         time.sleep(0.2)
         self.assertEqual(b.evaluate(gap)["inner"], before["inner"])  # (the heading's is held inside the viewport)
+        # The paragraph scrolled just out of its box, though not out of the window: its marker goes.
+        self.assertTrue(b.evaluate("(() => { const box = document.getElementById('box'), p = document.getElementById("
+                                   "'inner'); box.scrollTop += p.getBoundingClientRect().bottom - "
+                                   "box.getBoundingClientRect().top + 4; return p.getBoundingClientRect().bottom > 0; })()"))
+        b.wait_for("(() => { const g = %s; return g.inner === null && g.top !== null; })()" % gap)
+        b.evaluate("document.getElementById('box').scrollTop = 0")
+        b.wait_for("%s.inner !== null" % gap)
         b.key("i")
         drawer = self.shadow('[data-pinbox="drawer"]')
         b.wait_for("!!(%s)" % drawer)
