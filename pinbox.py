@@ -6445,9 +6445,11 @@ def cmd_open(ctx):
     args = ctx.args
     ctx.store  # the project's store (a pin needs one): made here, as `pin` makes it
     hub = hub_for(ctx.root)
+    upstream = None
     if args.url:
-        url = call_hub(hub, "POST", "/proxies", {"upstream": args.url})["url"]
-        facts = "%s with the pinbox toolbar: %s" % (args.url, url)
+        proxy = call_hub(hub, "POST", "/proxies", {"upstream": args.url})
+        url, upstream = proxy["url"], proxy["upstream"]  # `:5173` named as the app's own URL
+        facts = "%s with the pinbox toolbar: %s" % (upstream, url)
     elif shows_secrets(ctx):
         url = "http://127.0.0.1:%d/demo#token=%s" % (hub["port"], hub["token"])
         facts = "the pinbox demo page: %s" % url
@@ -6456,7 +6458,7 @@ def cmd_open(ctx):
                       "or ask for it with `pinbox open --json`")
     opened = False if args.no_browser else open_browser(url)
     note = None if opened or args.no_browser else "open it in your browser (no graphical browser was found here)"
-    ctx.out.result({"url": url, "upstream": args.url, "hub": "http://127.0.0.1:%d" % hub["port"],
+    ctx.out.result({"url": url, "upstream": upstream, "hub": "http://127.0.0.1:%d" % hub["port"],
                     "browser": opened}, facts, note)
 
 

@@ -5276,6 +5276,7 @@ class TestPageProxy(HubCase):
         app, _ = fake_app(self, {"/": lambda h: send_plain(h, 200, b"<p>app</p>", [("Content-Type", "text/html")])})
         data = self.ok("open", ":%d" % app, env=dict(self.env, BROWSER=browser))
         self.assertTrue(data["browser"])
+        self.assertEqual(data["upstream"], "http://localhost:%d" % app)  # what `:port` stands for
         with open(opened) as handle:
             self.assertEqual(handle.read(), data["url"] + "\n")
         headless = {k: v for k, v in self.env.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "BROWSER")}
