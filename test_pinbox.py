@@ -6398,6 +6398,30 @@ class TestClaudeCode(AgentCase):
         self.assertEqual({d["status"] for d in self.ok("show", self.mid["id"])["deliveries"]}, {"delivered"})
 
 
+    def claude_looks_at(self, which):
+        """Claude Code on the open pins, with a fake model that asks its Read tool for the
+        `which`-th picture the context names. Returns (the paths asked for, the pictures
+        that came back to the model as (width, height, pixels))."""
+        seen = []
+
+        def read_the_picture(body):
+            found = re.search(r"attached: (/[^ ,\"\\]+[.]png(?:, /[^ ,\"\\]+[.]png)*)", json.dumps(body))
+            if found and not seen:
+                seen.append(found.group(1).split(", ")[which])
+                return "Read", {"file_path": seen[0]}
+            return None
+        self.fake.tool_call = read_the_picture
+        self.ok("init", "--agent", "claude")
+        env = dict(self.env, ANTHROPIC_BASE_URL=self.fake.url, ANTHROPIC_API_KEY="sk-ant-fake",
+                   CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_AUTOUPDATER="1", DISABLE_TELEMETRY="1")
+        self.run_agent(["-p", "look at the open pins", "--output-format", "json"], env)
+        answers = [block for body in self.fake.requests for m in body.get("messages", [])
+                   if isinstance(m.get("content"), list) for block in m["content"] if block.get("type") == "tool_result"]
+        images = [part for block in answers for part in (block.get("content") or [])
+                  if isinstance(part, dict) and part.get("type") == "image"]
+        self.assertTrue(all(image["source"]["media_type"] == "image/png" for image in images), images)
+        return seen, [read_png(base64.b64decode(image["source"]["data"])) for image in images]
+
     def test_claude_opens_the_screenshot_the_context_names_and_sees_it(self):
         self.ok("resolve", self.first["id"])  # this test's pin is the one with a picture
         self.fake.on_first_request = None
@@ -6407,32 +6431,55 @@ class TestClaudeCode(AgentCase):
                                      headers={"Content-Type": "image/png"})
         pin = self.post_pin("PBXCANARY-SHOT: the banner is orange", target={
             "url": "http://localhost:5173/promo", "selector": ".banner"}, attachments=[data["data"]["attachment"]])
-        path = pin["attachments"][0]["path"]
-        seen = []
-
-        def read_the_picture(body):
-            text = json.dumps(body)
-            found = re.search(r"attached: (/[^ ,\"\\]+[.]png)", text)
-            if found and not seen:
-                seen.append(found.group(1))
-                return "Read", {"file_path": found.group(1)}
-            return None
-        self.fake.tool_call = read_the_picture
-        self.ok("init", "--agent", "claude")
-        env = dict(self.env, ANTHROPIC_BASE_URL=self.fake.url, ANTHROPIC_API_KEY="sk-ant-fake",
-                   CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_AUTOUPDATER="1", DISABLE_TELEMETRY="1")
-        self.run_agent(["-p", "look at the open pins", "--output-format", "json"], env)
-        self.assertEqual(seen, [path])  # the context named the hub's own file, and only that
+        seen, pictures = self.claude_looks_at(0)
+        self.assertEqual(seen, [pin["attachments"][0]["path"]])  # the context named the hub's own file, and only that
         self.assertIn("page /promo", self.fake.texts()[0])
-        answers = [block for body in self.fake.requests for m in body.get("messages", [])
-                   if isinstance(m.get("content"), list) for block in m["content"] if block.get("type") == "tool_result"]
-        images = [part for block in answers for part in (block.get("content") or [])
-                  if isinstance(part, dict) and part.get("type") == "image"]
-        self.assertEqual(len(images), 1, answers)
-        source = images[0]["source"]
-        self.assertEqual(source["media_type"], "image/png")
-        width, height, pixels = read_png(base64.b64decode(source["data"]))
+        self.assertEqual(len(pictures), 1)
+        width, height, pixels = pictures[0]
         self.assertEqual((width, height, pixels[8][12][:3]), (24, 16, (250, 120, 0)))  # the model got the picture
+
+    def test_claude_sees_the_button_the_person_pinned_in_the_browser(self):
+        campaign_only(self, "Chromium and Claude Code in one test, with the slow real tools")
+        binary = chromium_binary()
+        if binary is None:
+            self.skipTest("chromium not installed (Debian package chromium; .ci/run installs it)")
+        self.ok("resolve", self.first["id"])
+        self.fake.on_first_request = None
+        self.start_hub()
+        page = ("<!doctype html><meta charset=utf-8><title>Shop</title><body style='margin:40px'><h1>Shoes</h1>"
+                "<button id=buy style='background:rgb(220,40,40);color:#fff;border:0;padding:24px 60px;font-size:20px'>"
+                "Buy now</button><script src='http://127.0.0.1:%d/toolbar.js' data-token='%s'></script>"
+                % (self.port, self.token)).encode()
+
+        class Shop(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html; charset=utf-8")
+                self.send_header("Content-Length", str(len(page)))
+                self.end_headers()
+                self.wfile.write(page)
+
+            def log_message(self, *args):
+                pass
+        browser = Chromium(binary, self.tmp)
+        self.addCleanup(browser.close)
+        browser.open("http://localhost:%d/shoes" % serve_in_thread(self, Shop).server_address[1])
+        drop_pin(browser, "document.getElementById('buy')", "PBXCANARY-SEEN: the Buy button is too loud")
+        deadline = time.monotonic() + 10
+        while not any(len(p.get("attachments") or []) == 2 for p in self.ok("list")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        crop = [p for p in self.ok("list") if p.get("attachments")][0]["attachments"][1]
+        seen, pictures = self.claude_looks_at(1)  # the element alone, after the whole viewport
+        self.assertEqual(seen, [crop["path"]])
+        self.assertIn("page /shoes", self.fake.texts()[0])
+        self.assertEqual(len(pictures), 1)
+        width, height, pixels = pictures[0]
+        self.assertEqual((width, height), (crop["width"], crop["height"]))
+        counts = {}
+        for row in pixels:
+            for px in row:
+                counts[px[:3]] = counts.get(px[:3], 0) + 1
+        self.assertEqual(max(counts, key=counts.get), (220, 40, 40))  # what the model saw is the red button
 
     def test_an_ended_session_is_resumed_by_the_hub_with_the_reply(self):
         self.ok("init", "--agent", "claude")
