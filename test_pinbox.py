@@ -85,6 +85,28 @@ def serve_in_thread(test, handler):
     return server
 
 
+def serve_files(test, files, default):
+    """The port of a server on 127.0.0.1 that answers a GET of a path in `files` (a dict
+    of path -> (content type, bytes), read at each request) with it, and any other with
+    `default`."""
+    class Files(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            content_type, data = files.get(self.path.split("?")[0], default)
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+    return serve_in_thread(test, Files).server_address[1]
+
+
+def serve_bytes(test, content_type, data):
+    return serve_files(test, {}, (content_type, data))
+
+
 class Result:
     def __init__(self, code, out, err):
         self.code, self.out, self.err = code, out, err
@@ -3191,16 +3213,8 @@ class TestSync(SyncCase):
         b.sync()
         host = socket.gethostname()
 
-        class Site(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                send_plain(self, 200, ("<!doctype html><h1>Home</h1><script src='http://127.0.0.1:%d/toolbar.js' "
-                                       "data-token='%s'></script>" % (b.port, b.token)).encode(),
-                           [("Content-Type", "text/html")])
-
-            def log_message(self, *args):
-                pass
-
-        site = serve_in_thread(self, Site).server_address[1]
+        site = serve_bytes(self, "text/html", ("<!doctype html><h1>Home</h1><script src='http://127.0.0.1:%d/"
+                                                "toolbar.js' data-token='%s'></script>" % (b.port, b.token)).encode())
         browser = Chromium(binary, self.tmp)
         self.addCleanup(browser.close)
         browser.open("http://localhost:%d/home" % site)
@@ -6450,20 +6464,9 @@ class TestClaudeCode(AgentCase):
                 "<button id=buy style='background:rgb(220,40,40);color:#fff;border:0;padding:24px 60px;font-size:20px'>"
                 "Buy now</button><script src='http://127.0.0.1:%d/toolbar.js' data-token='%s'></script>"
                 % (self.port, self.token)).encode()
-
-        class Shop(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                self.send_response(200)
-                self.send_header("Content-Type", "text/html; charset=utf-8")
-                self.send_header("Content-Length", str(len(page)))
-                self.end_headers()
-                self.wfile.write(page)
-
-            def log_message(self, *args):
-                pass
         browser = Chromium(binary, self.tmp)
         self.addCleanup(browser.close)
-        browser.open("http://localhost:%d/shoes" % serve_in_thread(self, Shop).server_address[1])
+        browser.open("http://localhost:%d/shoes" % serve_bytes(self, "text/html; charset=utf-8", page))
         drop_pin(browser, "document.getElementById('buy')", "PBXCANARY-SEEN: the Buy button is too loud")
         deadline = time.monotonic() + 10
         while not any(len(p.get("attachments") or []) == 2 for p in self.ok("list")) and time.monotonic() < deadline:
@@ -7534,21 +7537,7 @@ class TestToolbarInChromium(HubCase):
                 "<script src=\"http://127.0.0.1:%d/toolbar.js\" data-token=\"%s\"></script>" % (self.port, self.token))
 
         self.files = {"/checkout": ("text/html; charset=utf-8", page.encode())}
-        files = self.files
-
-        class Site(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                content_type, data = files.get(self.path.split("?")[0], ("text/html; charset=utf-8", page.encode()))
-                self.send_response(200)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.site = "http://localhost:%d" % serve_in_thread(self, Site).server_address[1]
+        self.site = "http://localhost:%d" % serve_files(self, self.files, self.files["/checkout"])
         self.url = self.site + "/checkout"  # another origin than the hub's
         self.browser = Chromium(binary, self.tmp)
         self.addCleanup(self.browser.close)
@@ -7561,18 +7550,7 @@ class TestToolbarInChromium(HubCase):
 
     def foreign_picture(self, png):
         """The URL of a PNG on another origin (another port) that sends no CORS headers."""
-        class Foreign(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                self.send_response(200)
-                self.send_header("Content-Type", "image/png")
-                self.send_header("Content-Length", str(len(png)))
-                self.end_headers()
-                self.wfile.write(png)
-
-            def log_message(self, *args):
-                pass
-
-        return "http://127.0.0.1:%d/cat.png" % serve_in_thread(self, Foreign).server_address[1]
+        return "http://127.0.0.1:%d/cat.png" % serve_bytes(self, "image/png", png)
 
     def artifact(self, name):
         folder = os.path.join(os.environ.get("TMPDIR", "/tmp"), "pinbox-test-artifacts")
@@ -7587,6 +7565,17 @@ class TestToolbarInChromium(HubCase):
             if predicate(pins) or time.monotonic() > deadline:
                 return pins
             time.sleep(0.1)
+
+    def reply_from_page(self, pin_id, text):
+        """Types a reply into the open thread and sends it with the mouse; the pin's thread
+        once the hub has it."""
+        self.browser.click_at(self.shadow('[data-pinbox="reply"]'))
+        self.browser.type_text(text)
+        self.browser.click_at(self.shadow('[data-pinbox="send"]'))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not self.ok("show", pin_id)["thread"]:
+            time.sleep(0.1)
+        return self.ok("show", pin_id)["thread"]
 
     def shadow(self, selector):
         return "document.getElementById('pinbox-toolbar-host').shadowRoot.querySelector(%s)" % json.dumps(selector)
@@ -8030,13 +8019,8 @@ class TestToolbarInChromium(HubCase):
         for control in ("reply", "send", "resolve"):
             b.wait_for(on_screen % self.shadow('[data-pinbox="%s"]' % control))
         self.artifact("long-pin-narrow.png")
-        b.click_at(self.shadow('[data-pinbox="reply"]'))
-        b.type_text("Seen on a phone too")
-        b.click_at(self.shadow('[data-pinbox="send"]'))
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and not self.ok("show", pin["id"])["thread"]:
-            time.sleep(0.1)
-        self.assertEqual([m["text"] for m in self.ok("show", pin["id"])["thread"]], ["Seen on a phone too"])
+        self.assertEqual([m["text"] for m in self.reply_from_page(pin["id"], "Seen on a phone too")],
+                         ["Seen on a phone too"])
         b.key("Escape")
         b.click(5, 650)
         b.key("i")
@@ -8297,13 +8281,7 @@ class TestToolbarInChromium(HubCase):
         b.click_at(self.shadow('[data-pinbox="reopen"]'))
         b.wait_for("(%s).dataset.status === 'open'" % marker)
         self.assertEqual(self.ok("show", other["id"])["pin"]["verification"]["outcome"], "reopened")
-        b.click_at(self.shadow('[data-pinbox="reply"]'))
-        b.type_text("Still too big on mobile")
-        b.click_at(self.shadow('[data-pinbox="send"]'))
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and not self.ok("show", other["id"])["thread"]:
-            time.sleep(0.1)
-        self.assertEqual([(m["role"], m["text"]) for m in self.ok("show", other["id"])["thread"]],
+        self.assertEqual([(m["role"], m["text"]) for m in self.reply_from_page(other["id"], "Still too big on mobile")],
                          [("human", "Still too big on mobile")])
 
 
