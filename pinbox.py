@@ -6443,6 +6443,8 @@ def open_browser(url):
 
 def cmd_open(ctx):
     args = ctx.args
+    # Run outside the app's repository, `open` starts a project of its own there: said once.
+    new_here = not os.path.isdir(store_dir(ctx.root)) and git_dir(ctx.root) is None
     ctx.store  # the project's store (a pin needs one): made here, as `pin` makes it
     hub = hub_for(ctx.root)
     upstream = None
@@ -6457,9 +6459,14 @@ def cmd_open(ctx):
         raise invalid("the demo page's address holds the project token", "run `pinbox open` on a terminal, "
                       "or ask for it with `pinbox open --json`")
     opened = False if args.no_browser else open_browser(url)
-    note = None if opened or args.no_browser else "open it in your browser (no graphical browser was found here)"
-    ctx.out.result({"url": url, "upstream": upstream, "hub": "http://127.0.0.1:%d" % hub["port"],
-                    "browser": opened}, facts, note)
+    notes = []
+    if new_here:
+        notes.append("pinbox: %s is in no git repository, so a new pinbox project starts here; its agents "
+                     "get pins from it. Run `pinbox open` in your app's repository instead?" % ctx.root)
+    if not (opened or args.no_browser):
+        notes.append("open it in your browser (no graphical browser was found here)")
+    ctx.out.result({"url": url, "upstream": upstream, "project": ctx.root, "hub": "http://127.0.0.1:%d" % hub["port"],
+                    "browser": opened}, facts, "\n".join(notes) or None)
 
 
 def toolbar_ways(port, token):

@@ -252,6 +252,17 @@ class HubCase(PinboxCase):
         self.hub = self.wait_hub_json(lambda data: data["pid"] == self.proc.pid)
         self.port, self.token = self.hub["port"], self.hub["token"]
 
+    def end_hub(self, pid):
+        """A hub this test started in the background: stopped and gone before its folder is removed."""
+        if pid_running(pid):
+            os.kill(pid, signal.SIGTERM)
+        self.wait_gone(pid)
+
+    def wait_gone(self, pid):
+        deadline = time.monotonic() + 10
+        while pid_running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def stop_hub(self, proc):
         if proc.poll() is None:
             proc.terminate()
@@ -5293,6 +5304,18 @@ class TestPageProxy(HubCase):
         self.assertEqual(data["upstream"], "http://localhost:%d" % app)  # what `:port` stands for
         with open(opened) as handle:
             self.assertEqual(handle.read(), data["url"] + "\n")
+        self.assertEqual(data["project"], self.repo)
+        # In a folder of no repository: a project of its own starts there, and the person is told.
+        elsewhere = os.path.join(self.tmp, "downloads")
+        os.makedirs(elsewhere)
+        spawning = {k: v for k, v in self.env.items() if k != "PINBOX_NO_SPAWN"}
+        r = on_terminal(["open", ":%d" % app, "--no-browser"], elsewhere, spawning)
+        with unittest.mock.patch.dict(os.environ, spawning):
+            self.addCleanup(self.end_hub, pinbox.read_hub_json(pinbox.hub_files(elsewhere)[1])["pid"])
+        self.assertEqual(r.code, 0, r)
+        self.assertIn("%s is in no git repository, so a new pinbox project starts here" % elsewhere, r.err)
+        self.assertNotIn("no git repository", on_terminal(["open", ":%d" % app, "--no-browser"], elsewhere, spawning).err)
+        self.assertNotIn("no git repository", self.human("open", ":%d" % app, "--no-browser").err)  # the repo's own
         headless = {k: v for k, v in self.env.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "BROWSER")}
         r = self.run_pinbox("open", ":%d" % app, env=headless)
         self.assertEqual((r.code, r.json["data"]["browser"]), (0, False))  # no screen: no text browser either
@@ -5595,17 +5618,6 @@ class TestHubLifecycle(HubCase):
         self.ok("list", env=env)
         third = self.wait_hub_json(lambda data: pid_running(data["pid"]) and data["pid"] != again["pid"])
         self.addCleanup(self.end_hub, third["pid"])
-
-    def end_hub(self, pid):
-        """A hub this test started in the background: stopped and gone before its folder is removed."""
-        if pid_running(pid):
-            os.kill(pid, signal.SIGTERM)
-        self.wait_gone(pid)
-
-    def wait_gone(self, pid):
-        deadline = time.monotonic() + 10
-        while pid_running(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
 
 
 # ============================================================================
