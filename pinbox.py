@@ -7955,23 +7955,62 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   // drawn blank instead.
   const BLANK = 'data:image/gif;base64,R0lGODlhAQABAIAAAAAAAP///yH5BAEAAAAALAAAAAABAAEAAAIBRAA7';
 
+  // A sheet's own media condition (<link media=print>) is settled here, against this
+  // window: merged into the picture's one <style>, it would apply whatever it says.
+  const applies = (media) => !media || !media.mediaText || matchMedia(media.mediaText).matches;
+
+  // Each rule with the address its url()s are relative to.
   function sheetRules(sheet, out) {
     let rules;
+    if (!applies(sheet.media)) return;
     try { rules = sheet.cssRules; } catch (err) { return; }  // a cross-origin sheet: unreadable
     for (const rule of rules) {
       if (rule.styleSheet) sheetRules(rule.styleSheet, out);  // @import: its rules, not a fetch
-      else out.push(rule.cssText);
+      else out.push([rule.cssText, sheet.href || document.baseURI]);
     }
+  }
+
+  // What CSS names by url() (web fonts, background pictures): a picture of the page loads
+  // nothing, so each goes into the CSS as a data: URL, read once per page load; one that
+  // cannot be read (another origin without CORS) stays out, as the page's own pictures do.
+  const URL_IN_CSS = /url\(\s*(['"]?)([^'")]+)\1\s*\)/g;
+  const inlined = new Map();  // absolute URL -> Promise of its data: URL, or null
+
+  function dataUrl(url) {
+    if (!inlined.has(url)) {
+      inlined.set(url, fetch(url, { credentials: 'same-origin' })
+        .then((r) => { if (!r.ok) throw new Error(String(r.status)); return r.blob(); })
+        .then((blob) => new Promise((resolve) => {
+          const reader = new FileReader();
+          reader.onload = () => resolve(reader.result);
+          reader.onerror = () => resolve(null);
+          reader.readAsDataURL(blob);
+        }))
+        .catch(() => null));
+    }
+    return inlined.get(url);
+  }
+
+  async function withResources(css, base) {
+    if (!css.includes('url(')) return css;
+    const found = new Map();
+    for (const m of css.matchAll(URL_IN_CSS)) {
+      if (m[2].startsWith('data:') || found.has(m[2])) continue;
+      try { found.set(m[2], dataUrl(new URL(m[2], base).href)); } catch (err) { /* not a URL */ }
+    }
+    const inline = new Map();
+    for (const [u, promise] of found) inline.set(u, await promise);
+    return css.replace(URL_IN_CSS, (whole, quote, u) => (inline.get(u) ? 'url("' + inline.get(u) + '")' : whole));
   }
 
   // Every rule in force, in cascade order: <link>ed sheets cannot load inside an SVG image,
   // and rules added through the CSSOM are not in any <style>'s text.
-  function pageStyles() {
+  async function pageStyles() {
     const out = [];
     for (const sheet of Array.from(document.styleSheets).concat(Array.from(document.adoptedStyleSheets || []))) {
       sheetRules(sheet, out);
     }
-    return out.join('\n');
+    return (await Promise.all(out.map(([css, base]) => withResources(css, base)))).join('\n');
   }
 
   function pictureOf(source, width, height) {
@@ -7986,7 +8025,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
 
   // The page as SVG markup: a copy of the DOM with pictures inlined, form values written
   // into attributes, fixed elements pinned where they are on screen, and our toolbar left out.
-  function snapshotSvg(scale) {
+  async function snapshotSvg(scale) {
     const root = document.documentElement;
     const copy = root.cloneNode(true);
     const originals = root.querySelectorAll('*');
@@ -7999,9 +8038,12 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       if ((el.scrollTop || el.scrollLeft) && el !== document.scrollingElement) scrolled.push([el, twin]);
       if (tag === 'img' || tag === 'canvas' || tag === 'video') {
         const r = el.getBoundingClientRect();
-        const src = (tag === 'img' && !(el.complete && el.naturalWidth)) ? null
-          : pictureOf(el, Math.min(r.width * scale, el.naturalWidth || el.width || el.videoWidth || r.width * scale),
-            Math.min(r.height * scale, el.naturalHeight || el.height || el.videoHeight || r.height * scale));
+        // Drawn in its own proportions (no larger than it shows): the page's object-fit,
+        // which the copy keeps, then crops or letterboxes it as on screen.
+        const w = el.naturalWidth || el.videoWidth || el.width || r.width * scale;
+        const ht = el.naturalHeight || el.videoHeight || el.height || r.height * scale;
+        const fit = Math.min(1, Math.max(r.width * scale / w, r.height * scale / ht));
+        const src = (tag === 'img' && !(el.complete && el.naturalWidth)) ? null : pictureOf(el, w * fit, ht * fit);
         const img = tag === 'img' ? twin : document.createElement('img');
         img.setAttribute('src', src || BLANK);
         img.removeAttribute('srcset');
@@ -8025,15 +8067,27 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     // A copy cannot be scrolled: a scrolled box's children are moved up (and left) by as
     // much, so the box shows what it shows on screen (the page's own scroll is the viewBox).
     for (const [el, twin] of scrolled) {
+      const shift = 'translate(' + -el.scrollLeft + 'px, ' + -el.scrollTop + 'px)';
+      if (Array.from(twin.childNodes).some((n) => n.nodeType === 3 && n.textContent.trim())) {
+        // Text cannot be moved by itself: all of it goes in one moved block (a <pre>, a log).
+        const block = document.createElementNS('http://www.w3.org/1999/xhtml', 'div');
+        block.style.transform = shift;
+        block.append(...twin.childNodes);
+        twin.append(block);
+        continue;
+      }
       Array.from(twin.children).forEach((child, i) => {
         const own = el.children[i] ? getComputedStyle(el.children[i]).transform : 'none';
-        child.style.transform = 'translate(' + -el.scrollLeft + 'px, ' + -el.scrollTop + 'px)' + (own && own !== 'none' ? ' ' + own : '');
+        child.style.transform = shift + (own && own !== 'none' ? ' ' + own : '');
       });
     }
     const ours = copy.querySelector('#pinbox-toolbar-host');
     if (ours) ours.remove();
     const style = document.createElementNS('http://www.w3.org/1999/xhtml', 'style');
-    style.textContent = pageStyles();
+    style.textContent = await pageStyles();
+    for (const twin of copy.querySelectorAll('[style*="url("]')) {
+      twin.setAttribute('style', await withResources(twin.getAttribute('style'), document.baseURI));
+    }
     (copy.querySelector('head') || copy).prepend(style);
     const width = root.clientWidth || innerWidth;
     const height = Math.max(root.scrollHeight, innerHeight);
@@ -8079,7 +8133,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     if (frame) {
       ctx.drawImage(frame, 0, 0, canvas.width, canvas.height);
     } else {
-      const svg = snapshotSvg(scale);
+      const svg = await snapshotSvg(scale);
       const picture = await loadImage('data:image/svg+xml;charset=utf-8,' + encodeURIComponent(svg));
       ctx.fillStyle = backgroundOf();
       ctx.fillRect(0, 0, canvas.width, canvas.height);

@@ -493,9 +493,11 @@ class DeliveryCase(HubCase):
 
 
 def make_png(width, height, rgb):
-    """A real PNG of one colour (stdlib zlib), for tests that upload pictures."""
+    """A real PNG of one colour (stdlib zlib), or of vertical stripes when `rgb` is a list
+    of colours, for tests that upload or show pictures."""
     import zlib
-    row = b"\0" + bytes(rgb) * width
+    colours = rgb if isinstance(rgb, list) else [rgb]
+    row = b"\0" + b"".join(bytes(colours[x * len(colours) // width]) for x in range(width))
 
     def chunk(kind, data):
         return struct.pack("!I", len(data)) + kind + data + struct.pack("!I", zlib.crc32(kind + data) & 0xffffffff)
@@ -7765,6 +7767,48 @@ class TestToolbarInChromium(HubCase):
         b.click_at(element_js)
         b.wait_for("!!(%s)" % toolbar_element('[data-pinbox="comment"]'))
         b.type_text(text)
+
+    def test_a_picture_keeps_the_pages_media_rules_background_pictures_and_cropped_images(self):
+        campaign_only(self, "a page of styled pictures drawn and read back pixel by pixel")
+        self.files["/tile.png"] = ("image/png", make_png(8, 8, (0, 170, 90)))
+        self.files["/stripes.png"] = ("image/png", make_png(300, 100, [(220, 0, 0), (0, 200, 0), (0, 0, 220)]))
+        nbsp = "&nbsp;" * 12
+        lines = "".join("<span style='background:rgb%s'>%s</span><br>" % (c, nbsp) for c in
+                        ((90, 90, 90), (200, 120, 0), (140, 0, 160), (0, 150, 150)))
+        b = self.browser
+        b.open(self.page("/styled", "<!doctype html><meta charset=utf-8><title>Styled</title>"
+                         "<style media=print>#buy { display: none } h1 { font-size: 80px }</style>"
+                         "<style>body { margin: 20px } #tile { width: 100px; height: 60px; background: url(tile.png) }"
+                         "@media print { #tile { display: none } }"
+                         "#pic { width: 120px; height: 120px; object-fit: cover; display: block }"
+                         "#log { height: 40px; width: 200px; overflow: auto; line-height: 20px; font: 16px/20px monospace }"
+                         "</style><h1>Styled</h1><div id=tile></div><img id=pic src=stripes.png>"
+                         "<div id=log>top line<br>%s</div><p><button id=buy style='background:rgb(220,40,40);"
+                         "border:0;padding:20px 50px'>Buy</button></p>" % lines))
+        b.wait_for("document.getElementById('pic').complete")
+        b.evaluate("document.getElementById('log').scrollTop = 60")  # the third and fourth lines show
+        drop_pin(b, "document.getElementById('buy')", "Buy is there on screen")
+        pins = self.wait_pins(lambda pins: pins and len(pins[0].get("attachments") or []) == 2)
+        with open(pins[0]["attachments"][0]["path"], "rb") as handle:
+            _, _, pixels = read_png(handle.read())
+
+        def rect(element_id):
+            return b.evaluate("(() => { const r = document.getElementById(%s).getBoundingClientRect(); "
+                              "return [r.left, r.top, r.right, r.bottom].map(Math.round); })()" % json.dumps(element_id))
+
+        def colour_at(x, y):
+            return pixels[y][x][:3]
+        left, top, right, bottom = rect("buy")
+        self.assertEqual(colour_at((left + right) // 2, bottom - 4), (220, 40, 40))  # a print sheet is not the screen
+        left, top, right, bottom = rect("tile")
+        self.assertEqual(colour_at((left + right) // 2, (top + bottom) // 2), (0, 170, 90))  # the CSS background
+        left, top, right, bottom = rect("pic")
+        row = [colour_at(x, (top + bottom) // 2) for x in range(left + 2, right - 2)]
+        green = sum(1 for c in row if c[1] > 150 and c[0] < 80) / len(row)
+        self.assertGreater(green, 0.55, row)  # cropped to its middle stripe, as object-fit: cover shows it
+        left, top, right, bottom = rect("log")
+        self.assertEqual(colour_at(left + 20, top + 10), (140, 0, 160))  # the box's text, scrolled as on screen
+        self.artifact("capture-styled.png")
 
     def test_a_picture_that_cannot_be_had_never_costs_the_pin(self):
         b = self.browser
