@@ -8225,6 +8225,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     state.shots = startCapture(elements);
     const comment = h('textarea', { 'data-pinbox': 'comment', 'aria-label': 'Comment', placeholder: 'What should change here? (paste an image to attach)',
       onkeydown: (e) => { if (e.key === 'Enter' && (e.ctrlKey || e.metaKey)) { e.preventDefault(); submit(); } },
+      oninput: () => { try { sessionStorage.setItem('pinbox.draft', comment.value); } catch (err) { /* this page only */ } },
       onpaste: (e) => {
         const item = Array.from((e.clipboardData && e.clipboardData.items) || []).find((i) => i.kind === 'file' && i.type.startsWith('image/'));
         if (item) { e.preventDefault(); setFile(item.getAsFile()); }
@@ -8293,12 +8294,18 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     ui.preview.hidden = false;
   }
 
-  // A comment not sent is kept for the next pin: Esc, Cancel or a click elsewhere lose nothing.
+  // A comment not sent is kept for the next pin: Esc, Cancel, a click elsewhere or the dev
+  // server reloading the page (as it does when the agent edits a file) lose nothing.
+  function keepDraft(text) {
+    state.draft = text;
+    try { if (text) sessionStorage.setItem('pinbox.draft', text); else sessionStorage.removeItem('pinbox.draft'); } catch (err) { /* this page only */ }
+  }
+
   function closeComposer() {
     if (!ui.composer) return;
     const draft = ui.comment.value.trim();
     if (draft && draft !== state.draft) toast('Draft kept: it comes back with your next pin');
-    state.draft = draft;
+    keepDraft(draft);
     for (const img of [ui.preview, ui.shot]) if (img && img.src) URL.revokeObjectURL(img.src);
     ui.composer.remove();
     ui.composer = null;
@@ -8385,10 +8392,14 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
 
   // ----------------------------------------------------------------- markers
 
+  // A hash route (#/cart, #!/cart) is a page of its own to a single-page app; any other
+  // fragment is a place on the same page.
+  const route = (u) => (/^#!?[/]/.test(u.hash) ? u.hash : '');
+
   function samePage(url) {
     try {
       const u = new URL(url, location.href);
-      return u.origin === location.origin && u.pathname === location.pathname;
+      return u.origin === location.origin && u.pathname === location.pathname && route(u) === route(location);
     } catch (err) { return false; }
   }
   const onThisPage = (pin) => samePage(pin.target && pin.target.url);
@@ -8780,11 +8791,16 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   }
 
   function pageKey(pin) {
-    try { const u = new URL(pin.target && pin.target.url); return u.origin + u.pathname; } catch (err) { return ''; }
+    try { const u = new URL(pin.target && pin.target.url); return u.origin + u.pathname + route(u); } catch (err) { return ''; }
   }
 
   function renderDrawer() {
     if (!ui.drawer) return;
+    // Redrawn every second and on every change: the control that has the focus gets it back.
+    const had = ui.root.activeElement;
+    const focused = had && ui.drawer.contains(had) && had !== ui.search && had.hasAttribute('data-pinbox')
+      ? '[data-pinbox="' + had.getAttribute('data-pinbox') + '"]' + (had.dataset.pinId ? '[data-pin-id="' + had.dataset.pinId + '"]' : '')
+      : null;
     const query = ui.search.value.trim().toLowerCase();
     const all = Array.from(state.pins.values());
     const counts = { open: 0, resolved: 0 };
@@ -8804,6 +8820,8 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     fill(ui.drawerList, shown.length ? keys.map((key) => h('section', { class: 'group', 'data-pinbox': 'group', 'data-page': key || location.origin + location.pathname },
       h('div', { class: 'group-head' }, (key === '' ? 'This page' : key) + ' (' + groups.get(key).length + ')'),
       groups.get(key).map(drawerItem))) : h('div', { class: 'empty' }, query ? 'No pin matches.' : 'No ' + state.drawerTab + ' pins.'));
+    const again = focused && ui.drawer.querySelector(focused);
+    if (again) again.focus();
   }
 
   function drawerItem(pin) {
@@ -8826,7 +8844,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
         onclick: () => { closeDrawer(); flash(pin); openThread(pin.id); } }, body)
       : h('a', { class: 'item-open', 'data-pinbox': 'drawer-pin', 'data-pin-id': pin.id, href: pin.target.url }, body);
     return h('div', { class: 'item' }, open,
-      h('button', { type: 'button', class: 'small', 'data-pinbox': 'copy-pin', 'aria-label': 'Copy pin ' + pin.n + ' as Markdown',
+      h('button', { type: 'button', class: 'small', 'data-pinbox': 'copy-pin', 'data-pin-id': pin.id, 'aria-label': 'Copy pin ' + pin.n + ' as Markdown',
         onclick: () => copyText(pinMarkdown(pin), 'Pin #' + pin.n + ' copied') }, 'Copy'));
   }
 
@@ -9129,17 +9147,31 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     window.addEventListener('hashchange', guard(renderMarkers));
   }
 
+  // Frameworks that swap the whole body (Turbo Drive, htmx's boost) or empty it take our
+  // host with them: it goes back, into whatever body there is now.
+  function keepMounted() {
+    let watched = null;
+    const check = guard(() => {
+      if (document.body && !ui.host.isConnected) document.body.append(ui.host);
+      if (document.body && document.body !== watched) { watched = document.body; inBody.observe(watched, { childList: true }); }
+    });
+    const inBody = new MutationObserver(check);
+    new MutationObserver(check).observe(document.documentElement, { childList: true });
+    check();
+  }
+
   function start() {
     mount();
+    keepMounted();
     window.addEventListener('keydown', onKey, true);
     window.addEventListener('scroll', schedule, { capture: true, passive: true });
     window.addEventListener('resize', schedule, { passive: true });
     followRoutes();
     // Once a second: catch layout shifts that fire no scroll/resize, elements that came
     // or went, and where the open thread or the drawer's pins stand.
-    let lastPath = location.pathname;
+    let lastPath = location.pathname + route(location);
     setInterval(guard(() => {
-      if (location.pathname !== lastPath) { lastPath = location.pathname; renderMarkers(); } else schedule();
+      if (location.pathname + route(location) !== lastPath) { lastPath = location.pathname + route(location); renderMarkers(); } else schedule();
       if ((ui.thread || ui.drawer) && document.visibilityState === 'visible') refreshProgress(ui.drawer ? null : state.threadId);
     }), 1000);
     window.addEventListener('pagehide', () => {
@@ -9151,7 +9183,10 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       state.tabStream = null;
     });
     window.addEventListener('pageshow', (e) => { if (e.persisted) connect(); });  // back/forward cache
-    try { if (localStorage.getItem('pinbox.minimized') === 'true') setMinimized(true); } catch (err) { /* storage blocked */ }
+    try {
+      if (localStorage.getItem('pinbox.minimized') === 'true') setMinimized(true);
+      state.draft = sessionStorage.getItem('pinbox.draft') || '';
+    } catch (err) { /* storage blocked */ }
     outbox('readonly', (s) => s.count()).then((n) => { state.waiting = n || 0; showOffline(); }, () => {});
     api('GET', '/pins')
       .then((data) => {

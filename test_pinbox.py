@@ -7724,6 +7724,57 @@ class TestToolbarInChromium(HubCase):
         self.assertEqual(b.evaluate("window.streams"), 0)  # no live stream retrying a token that cannot work
         self.artifact("wrong-token.png")
 
+    def test_the_toolbar_keeps_up_with_what_apps_do_to_their_pages(self):
+        url = self.page("/spa", "<!doctype html><meta charset=utf-8><title>SPA</title><h1>Shop</h1><p id=a>Route text</p>")
+        home = self.api("POST", "/pins", {"text": "Home", "author": {"userId": "u"},
+                                          "target": {"url": url + "#/home", "selector": "#a"}}, 201)
+        cart = self.api("POST", "/pins", {"text": "Cart", "author": {"userId": "u"},
+                                          "target": {"url": url + "#/cart", "selector": "#a"}}, 201)
+        b = self.browser
+        b.open(url + "#/home")
+        shown = self.in_shadow("Array.from(root.querySelectorAll('[data-pinbox=\"marker\"]:not([hidden])')).map(m => "
+                               "m.dataset.pinId).join()")
+        b.wait_for("%s === %s" % (shown, json.dumps(home["id"])), 10)  # a hash route is a page of its own
+        b.evaluate("location.hash = '#/cart'")
+        b.wait_for("%s === %s" % (shown, json.dumps(cart["id"])), 2)
+        # The drawer is redrawn every second: the item with the keyboard's focus keeps it.
+        b.key("i")
+        item = '[data-pinbox="drawer-pin"][data-pin-id="%s"]' % cart["id"]
+        for _ in range(8):
+            b.key("Tab")
+            if b.evaluate(self.in_shadow("root.activeElement === root.querySelector(%s)" % json.dumps(item))):
+                break
+        time.sleep(1.5)
+        self.assertTrue(b.evaluate(self.in_shadow("root.activeElement === root.querySelector(%s)" % json.dumps(item))))
+        b.key("Enter")
+        b.wait_for(self.in_shadow("!!root.querySelector('[data-pinbox=\"thread\"]')"))
+        b.key("Escape")
+        # A framework that swaps the whole body (Turbo, htmx): the toolbar comes back into the new one.
+        b.evaluate("(() => { const body = document.createElement('body'); body.innerHTML = "
+                   "'<h1>Shop</h1><p id=a>Swapped in</p>'; document.body = body; return 1; })()")
+        b.wait_for("!!document.getElementById('pinbox-toolbar-host') && %s === %s" % (shown, json.dumps(cart["id"])), 3)
+        # A half-written pin outlives the dev server reloading the page.
+        b.key("p")
+        b.click_at("document.getElementById('a')")
+        comment = toolbar_element('[data-pinbox="comment"]')
+        b.wait_for("!!(%s)" % comment)
+        b.type_text("half typed when the page reloaded")
+        b.evaluate("window.before = 1; location.reload(); 1")
+        b.wait_for("!window.before && document.readyState === 'complete' && "
+                   "!!document.getElementById('pinbox-toolbar-host')", 10)
+        b.wait_for("!!(%s)" % toolbar_element('[data-pinbox="toggle"]'), 5)
+        b.key("p")
+        b.click_at("document.getElementById('a')")
+        b.wait_for("!!(%s) && (%s).value === 'half typed when the page reloaded'" % (comment, comment))
+        b.key("Enter", modifiers=b.CTRL)  # sent: no draft any more, after a reload either
+        self.wait_pins(lambda pins: len(pins) == 3)
+        b.evaluate("window.before = 1; location.reload(); 1")
+        b.wait_for("!window.before && !!document.getElementById('pinbox-toolbar-host') && !!(%s)"
+                   % toolbar_element('[data-pinbox="toggle"]'), 10)
+        b.key("p")
+        b.click_at("document.getElementById('a')")
+        b.wait_for("!!(%s) && (%s).value === ''" % (comment, comment))
+
     def test_a_picture_shows_a_scrolled_box_as_it_is_on_screen(self):
         colours = [(200, 30, 30), (30, 160, 30), (30, 60, 200), (220, 160, 0), (140, 40, 160), (0, 150, 150),
                    (90, 90, 90), (240, 90, 160)]
