@@ -1490,12 +1490,12 @@ def split_origin(url):
 
 
 def home_origin(pins):
-    """The dev origin a context is about: the newest pin's (pins come newest first)."""
-    for pin in pins:
-        origin = split_origin((pin.get("target") or {}).get("url") or "")[0]
-        if origin:
-            return origin
-    return ""
+    """The dev origin a context is about, when all its pins share one: their pages are
+    named by path. Pins of several origins are each named by their whole URL, since a
+    path alone would not say which site it is on."""
+    origins = {split_origin((pin.get("target") or {}).get("url") or "")[0] for pin in pins}
+    origins.discard("")
+    return origins.pop() if len(origins) == 1 else ""
 
 
 def page_and_files(pin, home):

@@ -3700,8 +3700,8 @@ class TestHubApi(HubCase):
         self.ok("session", "register", "--agent", "claude", "--key", "k-pics")
         context = self.run_pinbox("session", "inject", "--agent", "claude", "--key", "k-pics").json["data"]["context"]
         lines = context.split("\n")
-        # Newest first: the staging pin sets the home origin, so the checkout page is named in full.
-        self.assertEqual(lines[1], "- [open] h1 — Old logo (%s) · page /about" % elsewhere["id"])
+        # Two sites: each page is named in full (a path alone would not say which).
+        self.assertEqual(lines[1], "- [open] h1 — Old logo (%s) · page http://staging.example:8080/about" % elsewhere["id"])
         self.assertEqual(lines[2], "- [open] #pay — Button is clipped (%s) · page http://localhost:5173/checkout?step=2"
                                    " · attached: %s" % (here["id"], shot["path"]))
         self.assertIn(pinbox.SEEING, lines)
