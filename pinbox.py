@@ -9223,7 +9223,7 @@ PAGE_HTML = r"""<!doctype html>
 body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#1f2430}
 h1{font-size:1.3em}h2{font-size:1.1em;margin-top:2em}
 table{border-collapse:collapse;width:100%}td,th{border-bottom:1px solid #ddd;padding:4px 8px;text-align:left;
-vertical-align:top}th{background:#f5f5f5}.resolved{color:#2e7d32}.open{color:#b26a00}.failed{color:#c62828}
+vertical-align:top;overflow-wrap:anywhere}th{background:#f5f5f5}.resolved{color:#2e7d32}.open{color:#8a5300}.failed{color:#c62828}
 .thread{color:#555;font-size:.9em;white-space:pre-wrap}#err{color:#c62828}
 </style>
 <h1>pinbox</h1><p id="err"></p>
@@ -9249,10 +9249,27 @@ function row(table, cells, cls) {
   if (cls) tr.className = cls;
   return tr;
 }
+// A pin's thread is asked for again only when its last message changed (GET /progress
+// says which): a page left open on a big project costs the hub a few requests a round.
+const threads = new Map();  // pin id -> {last, messages}
+function thread(id, last) {
+  const key = last ? last.at + " " + last.text : "";
+  const kept = threads.get(id);
+  if (kept && kept.key === key) return kept.messages;
+  const messages = key ? get("/pins/" + id + "/thread") : Promise.resolve([]);
+  threads.set(id, {key, messages});
+  messages.catch(() => threads.delete(id));
+  return messages;
+}
 async function load() {
+  if (!token) {
+    document.getElementById("err").textContent = "This page needs the project's token: open it from the address " +
+      "`pinbox serve` or `pinbox toolbar` prints (it ends in #token=...).";
+    return;
+  }
   try {
-    const [pins, sessions, deliveries, sync] = await Promise.all([get("/pins"), get("/sessions"), get("/deliveries"),
-                                                                  get("/sync")]);
+    const [pins, sessions, deliveries, sync, progress] = await Promise.all([get("/pins"), get("/sessions"),
+      get("/deliveries"), get("/sync"), get("/progress")]);
     document.getElementById("sync").textContent = sync.enabled
       ? "Syncing with git remote " + sync.remote + " · last sync " + (sync.lastSyncAt || "never") +
         (sync.lastError ? " · last error: " + sync.lastError : "") + " · " + sync.waiting + " event(s) waiting"
@@ -9267,7 +9284,7 @@ async function load() {
                               [m ? "from " + (m.author || "?") + " on " + (m.host || "another machine") : "",
                                a ? "with " + a.agent + " (" + a.key + ")" + (a.host ? " on " + a.host : "") : ""]
                                 .filter(Boolean).join(" · ")], p.status);
-      get("/pins/" + p.id + "/thread").then(msgs => {
+      thread(p.id, (progress.pins[p.id] || {}).lastMessage).then(msgs => {
         if (!msgs.length) return;
         const div = document.createElement("div"); div.className = "thread";
         div.textContent = msgs.map(m => m.role + (m.machine ? " (" + (m.machine.author || "?") + ", " +
@@ -9282,7 +9299,7 @@ async function load() {
     document.getElementById("err").textContent = "";
   } catch (e) { document.getElementById("err").textContent = String(e.message || e); }
 }
-load(); setInterval(load, 5000);
+(async function every5s() { await load(); setTimeout(every5s, 5000); })();
 </script>
 """
 

@@ -8351,6 +8351,26 @@ class TestToolbarInChromium(HubCase):
         self.assertIn("hooks", deliveries)
         b.open("http://127.0.0.1:%d/#token=wrong" % self.port)
         b.wait_for("document.getElementById('err').textContent.includes('missing or invalid bearer token')")
+        b.open("http://127.0.0.1:%d/" % self.port)  # the address without its token
+        b.wait_for("document.getElementById('err').textContent.includes('open it from the address `pinbox serve`')")
+
+    def test_the_hub_page_asks_for_a_thread_only_when_it_changed(self):
+        campaign_only(self, "three rounds of the hub page's 5 s refresh")
+        quiet = self.pin("Nobody replied to this one")
+        talked = self.pin("Footer overlaps the cookie banner")
+        self.ok("reply", talked["id"], "which page?", "--as", "agent")
+        b = self.browser
+        b.open("http://127.0.0.1:%d/#token=%s" % (self.port, self.token))
+        asked = ("performance.getEntriesByType('resource').filter(e => e.name.includes('/pins/') && "
+                 "e.name.endsWith('/thread')).map(e => e.name.split('/')[4]).sort().join()")
+        b.wait_for("document.getElementById('pins').innerText.includes('agent: which page?')")
+        self.assertEqual(b.evaluate(asked), talked["id"])  # a pin with no messages is not asked about
+        time.sleep(5.5)
+        self.assertEqual(b.evaluate(asked), talked["id"])  # nor one whose thread did not change
+        self.ok("reply", quiet["id"], "now somebody did")
+        b.wait_for("document.getElementById('pins').innerText.includes('human: now somebody did')", 8)
+        self.assertEqual(b.evaluate(asked), ",".join(sorted([talked["id"], quiet["id"]])))
+        self.assertIn("agent: which page?", b.evaluate("document.getElementById('pins').innerText"))
 
     def test_reopen_and_reply_from_the_page(self):
         self.post_pin("Logo is blurry", target={"url": "http://localhost:1/elsewhere", "selector": "h1"})
