@@ -7778,8 +7778,19 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   // What the keyboard steps through while picking: what a person would point at.
   const PICKABLE = 'a[href],button,input,select,textarea,summary,[tabindex],[role=button],h1,h2,h3,h4,h5,h6,p,li,img,label,td,th,figure,video,canvas';
 
+  // A modal <dialog> makes all the page outside it inert, our host too: while one is open
+  // the host goes inside it, and back to the body when it closes.
+  function placeHost() {
+    const modal = document.querySelector('dialog:modal');
+    const home = modal || document.body;
+    if (!home || ui.host.parentNode === home) return;
+    home.append(ui.host);
+    if (modal) modal.addEventListener('close', guard(placeHost), { once: true });
+  }
+
   function startPicking() {
     if (state.wrongToken) { wrongToken(); return; }
+    placeHost();
     closeComposer();
     closeHelp();
     state.picking = true;

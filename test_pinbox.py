@@ -7753,6 +7753,19 @@ class TestToolbarInChromium(HubCase):
         b.evaluate("(() => { const body = document.createElement('body'); body.innerHTML = "
                    "'<h1>Shop</h1><p id=a>Swapped in</p>'; document.body = body; return 1; })()")
         b.wait_for("!!document.getElementById('pinbox-toolbar-host') && %s === %s" % (shown, json.dumps(cart["id"])), 3)
+        # A modal dialog makes the rest of the page inert: P still pins inside it.
+        b.evaluate("(() => { const d = document.createElement('dialog'); d.innerHTML = '<p>Sure?</p><button id=yes>"
+                   "Yes</button>'; document.body.append(d); d.showModal(); return 1; })()")
+        b.key("p")
+        b.click_at("document.getElementById('yes')")
+        b.wait_for("!!(%s)" % toolbar_element('[data-pinbox="comment"]'))
+        b.type_text("Yes needs a clearer label")
+        b.key("Enter", modifiers=b.CTRL)
+        pins = self.wait_pins(lambda pins: len(pins) == 3)
+        self.assertEqual((pins[0]["text"], pins[0]["target"]["selector"]), ("Yes needs a clearer label", "#yes"))
+        b.evaluate("document.querySelector('dialog').close(), 1")
+        b.wait_for("document.getElementById('pinbox-toolbar-host').parentNode === document.body && "
+                   "(%s).getBoundingClientRect().width > 0" % toolbar_element('[data-pinbox="toggle"]'))
         # A half-written pin outlives the dev server reloading the page.
         b.key("p")
         b.click_at("document.getElementById('a')")
@@ -7767,7 +7780,7 @@ class TestToolbarInChromium(HubCase):
         b.click_at("document.getElementById('a')")
         b.wait_for("!!(%s) && (%s).value === 'half typed when the page reloaded'" % (comment, comment))
         b.key("Enter", modifiers=b.CTRL)  # sent: no draft any more, after a reload either
-        self.wait_pins(lambda pins: len(pins) == 3)
+        self.wait_pins(lambda pins: len(pins) == 4)
         b.evaluate("window.before = 1; location.reload(); 1")
         b.wait_for("!window.before && !!document.getElementById('pinbox-toolbar-host') && !!(%s)"
                    % toolbar_element('[data-pinbox="toggle"]'), 10)
