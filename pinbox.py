@@ -7446,8 +7446,10 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
 (function () {
   'use strict';
 
-  // One toolbar per page, even if the tag is included twice.
+  // One toolbar per page, even if the tag is included twice; none in a frame of a page that
+  // has one already (the page proxy puts the tag in every page, frames too).
   if (window.__pinboxToolbar || document.getElementById('pinbox-toolbar-host')) return;
+  try { if (window.top !== window && window.top.__pinboxToolbar) return; } catch (err) { /* another origin's frame */ }
   window.__pinboxToolbar = true;
 
   // currentScript is null in some loaders; fall back to the tag that looks like ours.
@@ -8255,7 +8257,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     const where = state.pickedTarget.selector + (state.extras.length ? ' (+' + state.extras.length + ')' : '');
     ui.composer = h('div', { class: 'panel composer', 'data-pinbox': 'composer', role: 'dialog', 'aria-modal': 'true', 'aria-label': 'New pin' },
       h('div', { class: 'head' }, h('strong', null, 'New pin'), h('code', { class: 'grow', title: where }, where),
-        h('button', { type: 'button', class: 'x', 'aria-label': 'Cancel', onclick: closeComposer }, TIMES)),
+        h('button', { type: 'button', class: 'x', 'aria-label': 'Close', onclick: closeComposer }, TIMES)),
       comment,
       h('div', { class: 'row' }, h('label', { class: 'check' }, ui.captureBox, 'Screenshot'), ui.shot,
         canTab ? h('button', { type: 'button', class: 'small', 'data-pinbox': 'tab-capture', onclick: useTabCapture,
@@ -8797,8 +8799,10 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
 
   function closeDrawer() {
     if (!ui.drawer) return;
+    const hadFocus = ui.drawer.contains(ui.root.activeElement);
     ui.drawer.remove();
     ui.drawer = null;
+    if (hadFocus) ui.toggle.focus();  // the keyboard goes on from the pin button, not from the page's top
   }
 
   function pageKey(pin) {
@@ -8866,7 +8870,9 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     lines.push('');
     if (pin.target && pin.target.url) lines.push('- Page: ' + pin.target.url);
     if (where(pin)) lines.push('- Element: `' + where(pin).split('`').join("'") + '`');
-    for (const a of pin.attachments || []) if (a && (a.path || a.url)) lines.push('- Screenshot: ' + (a.path || new URL(a.url, ENDPOINT).href));
+    for (const a of pin.attachments || []) {
+      if (a && (a.path || a.url)) lines.push((a.kind === 'file' ? '- Image: ' : '- Screenshot: ') + (a.path || new URL(a.url, ENDPOINT).href));
+    }
     const said = progressText(pin);
     if (said) lines.push('- Status: ' + said);
     lines.push('- Id: `' + pin.id + '`');

@@ -7690,6 +7690,12 @@ class TestToolbarInChromium(HubCase):
         pins = self.wait_pins(lambda pins: len(pins) == 2 and pins[0].get("attachments"))
         self.assertEqual([p["text"] for p in pins], ["Heading font", "Buy button is too loud"])
         self.assertEqual([a["kind"] for a in pins[0]["attachments"]], ["file"])  # no screenshot, and not called one
+        b.allow_clipboard(self.site)
+        b.key("i")
+        for pin, label in ((pins[0], "Image"), (pins[1], "Screenshot")):
+            b.click_at(toolbar_element('[data-pinbox="copy-pin"][data-pin-id="%s"]' % pin["id"]))
+            b.wait_for("navigator.clipboard.readText().then(t => t.includes(%s))"
+                       % json.dumps("- %s: %s" % (label, pin["attachments"][-1]["path"])))
         with open(pins[0]["attachments"][0]["path"], "rb") as handle, open(own, "rb") as mine:
             self.assertEqual(handle.read(), mine.read())
 
@@ -7787,6 +7793,15 @@ class TestToolbarInChromium(HubCase):
         b.key("p")
         b.click_at("document.getElementById('a')")
         b.wait_for("!!(%s) && (%s).value === ''" % (comment, comment))
+        b.key("Escape")
+        # A page proxied with its frames: the frame of a page that has the toolbar gets none of its own.
+        self.page("/inner", "<!doctype html><p>inside</p>")
+        b.open(self.page("/framed", "<!doctype html><h1>Framed</h1><iframe src=/inner></iframe>"))
+        b.wait_for("!!document.getElementById('pinbox-toolbar-host') && document.querySelector('iframe')"
+                   ".contentDocument.readyState === 'complete'", 10)
+        time.sleep(0.3)
+        self.assertFalse(b.evaluate("!!document.querySelector('iframe').contentDocument.getElementById("
+                                    "'pinbox-toolbar-host')"))
 
     def test_a_picture_shows_a_scrolled_box_as_it_is_on_screen(self):
         colours = [(200, 30, 30), (30, 160, 30), (30, 60, 200), (220, 160, 0), (140, 40, 160), (0, 150, 150),
@@ -8209,6 +8224,7 @@ class TestToolbarInChromium(HubCase):
         b.wait_for("!!(%s)" % self.shadow('[data-pinbox="drawer"]'))
         b.key("Escape")
         b.wait_for("!(%s)" % self.shadow('[data-pinbox="drawer"]'))
+        self.assertTrue(b.evaluate(self.in_shadow("root.activeElement === root.querySelector('[data-pinbox=\"toggle\"]')")))
         # M: a small button, dragged elsewhere, still there after a reload.
         toggle = self.shadow('[data-pinbox="toggle"]')
         b.key("m")
@@ -8245,6 +8261,9 @@ class TestToolbarInChromium(HubCase):
         b.key("Enter")
         b.wait_for(self.in_shadow("root.activeElement === root.querySelector('[data-pinbox=\"comment\"]')"))
         b.type_text("Save needs a label")
+        names = b.evaluate(self.in_shadow("Array.from(root.querySelectorAll('[data-pinbox=\"composer\"] button')).map(el "
+                                          "=> el.getAttribute('aria-label') || el.textContent.trim())"))
+        self.assertEqual(len(names), len(set(names)), names)  # a screen reader tells each button from the others
         # Tab stays inside the composer.
         for _ in range(8):
             b.key("Tab")
