@@ -7731,6 +7731,7 @@ class TestToolbarInChromium(HubCase):
         self.artifact("wrong-token.png")
 
     def test_the_toolbar_keeps_up_with_what_apps_do_to_their_pages(self):
+        campaign_only(self, "hash routes, a swapped body, a modal dialog, reloads and frames in one browser")
         url = self.page("/spa", "<!doctype html><meta charset=utf-8><title>SPA</title><h1>Shop</h1><p id=a>Route text</p>")
         home = self.api("POST", "/pins", {"text": "Home", "author": {"userId": "u"},
                                           "target": {"url": url + "#/home", "selector": "#a"}}, 201)
@@ -7804,6 +7805,7 @@ class TestToolbarInChromium(HubCase):
                                     "'pinbox-toolbar-host')"))
 
     def test_a_picture_shows_a_scrolled_box_as_it_is_on_screen(self):
+        campaign_only(self, "two pages drawn and read back pixel by pixel")
         colours = [(200, 30, 30), (30, 160, 30), (30, 60, 200), (220, 160, 0), (140, 40, 160), (0, 150, 150),
                    (90, 90, 90), (240, 90, 160)]
         lines = "".join("<p id=l%d style='margin:0;height:50px;background:rgb%s'>Line %d</p>" % (i, c, i)
