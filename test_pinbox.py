@@ -7711,6 +7711,7 @@ class TestToolbarInChromium(HubCase):
             raise AssertionError("no toast with %r; toasts: %s" % (words, self.toasts()))
 
     def test_a_tag_with_a_wrong_token_says_so_at_once_and_stops_there(self):
+        campaign_only(self, "with the longer toolbar tests, one at a time")
         self.files["/stale"] = ("text/html; charset=utf-8", (
             "<!doctype html><meta charset=utf-8><title>Stale</title><script>window.streams = 0; const ES = EventSource;"
             "window.EventSource = function (url) { window.streams++; return new ES(url); };</script><h1>Stale</h1>"
@@ -7892,6 +7893,7 @@ class TestToolbarInChromium(HubCase):
         self.artifact("capture-styled.png")
 
     def test_a_picture_that_cannot_be_had_never_costs_the_pin(self):
+        campaign_only(self, "with the longer toolbar tests, one at a time")
         b = self.browser
         # A canvas blocker (privacy extensions replace toDataURL): no picture can be read back.
         b.open(self.page("/blocked", "<!doctype html><meta charset=utf-8><title>Blocked</title><script>"
@@ -8139,6 +8141,7 @@ class TestToolbarInChromium(HubCase):
                                   "'agent · claude (k-live-s)|human'"))
 
     def test_a_long_pin_in_a_narrow_window_leaves_every_control_in_reach(self):
+        campaign_only(self, "with the longer toolbar tests, one at a time")
         text = "The shipping row is cut off. " * 180  # about 5 KB
         pin = self.api("POST", "/pins", {"text": text, "author": {"userId": "u"},
                                          "target": {"url": self.url, "selector": "h1"}}, 201)
