@@ -5259,6 +5259,7 @@ class TestPageProxy(HubCase):
         self.assertIn("Upgrade: websocket\r\n", head)
 
     def test_a_hub_started_again_serves_each_app_where_it_was(self):
+        campaign_only(self, "five hubs started one after the other")
         app, _ = fake_app(self, {"/": lambda h: send_plain(h, 200, b"<p>one</p>", [("Content-Type", "text/html")])})
         other, _ = fake_app(self, {"/": lambda h: send_plain(h, 200, b"<p>two</p>", [("Content-Type", "text/html")])})
         first = self.open_app(app)
