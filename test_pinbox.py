@@ -63,11 +63,12 @@ def campaign_scale():
     return 4 if os.environ.get("PINBOX_CAMPAIGN") == "full" else 1
 
 
-def campaign_only(case, why):
-    """Skips a test outside PINBOX_CAMPAIGN=full: it runs in .ci/run's campaigns, where
-    minutes of tool start-ups do not hold up the README's suite."""
-    if os.environ.get("PINBOX_CAMPAIGN") != "full":
-        case.skipTest("runs in .ci/run's campaigns (PINBOX_CAMPAIGN=full): " + why)
+def campaign_only(why):
+    """Skips a test outside PINBOX_CAMPAIGN=full, before its setUp starts anything (a
+    browser, a hub): it runs in .ci/run's campaigns, where minutes of tool start-ups do
+    not hold up the README's suite."""
+    return unittest.skipUnless(os.environ.get("PINBOX_CAMPAIGN") == "full",
+                               "runs in .ci/run's campaigns (PINBOX_CAMPAIGN=full): " + why)
 
 
 def campaign(quick, full):
@@ -1253,8 +1254,8 @@ class TestStoreFaults(HubCase):
         finally:
             os.close(filler)
 
+    @campaign_only("filling a 4 MB disk and writing against it takes a quarter of a minute")
     def test_a_full_disk_refuses_writes_clearly_and_loses_nothing(self):
-        campaign_only(self, "filling a 4 MB disk and writing against it takes a quarter of a minute")
         kept = [self.pin("before the disk filled %d" % i)["id"] for i in range(5)]
         self.fill_disk()
         made, refused = [], 0
@@ -1296,8 +1297,8 @@ class TestStoreFaults(HubCase):
         self.assertEqual(done.returncode, 0, done.stdout)
         return lambda: subprocess.run(["mount", "-o", "remount,rw", folder], check=True)
 
+    @campaign_only("remounting a store read-only takes ~20 s of commands against it")
     def test_a_read_only_store_is_refused_clearly_and_kept(self):
-        campaign_only(self, "remounting a store read-only takes ~20 s of commands against it")
         kept = [self.pin("before it turned read-only %d" % i)["id"] for i in range(3)]
         self.quiet_hook()
         self.ok("agent", "post", "claude:k-hook", "kept too")
@@ -1382,8 +1383,8 @@ class TestLoad(HookCase):
     .ci/run sets 60). After it: no "database is locked" anywhere, every event has exactly
     one ledger row, pin numbers are unique, the store passes integrity_check."""
 
+    @campaign_only("sixteen processes of mixed load for a minute (PINBOX_LOAD_SECONDS)")
     def test_sixteen_processes_mixing_writes(self):
-        campaign_only(self, "sixteen processes of mixed load for a minute (PINBOX_LOAD_SECONDS)")
         import random
         seconds = float(os.environ.get("PINBOX_LOAD_SECONDS") or 6)
         seed = int(os.environ.get("PINBOX_FUZZ_SEED") or random.randrange(1 << 30))
@@ -1410,8 +1411,8 @@ class TestKills(HubCase):
     rounds). Whatever a writer reported done is there at the end, a writer left alone
     never failed, and the store is whole."""
 
+    @campaign_only("rounds of killed writers and hubs take a quarter of a minute")
     def test_writers_and_the_hub_killed_at_random_moments(self):
-        campaign_only(self, "rounds of killed writers and hubs take a quarter of a minute")
         import random
         seed = int(os.environ.get("PINBOX_FUZZ_SEED") or random.randrange(1 << 30))
         rnd = random.Random(seed)
@@ -2016,8 +2017,8 @@ class TestWebhook(DeliveryCase):
         check = [c for c in doctor.json["data"]["checks"] if c["name"] == "deliveries"][0]
         self.assertIn("%s (pin.created via webhook): E_DELIVERY: webhook POST returned 500" % pin["id"], check["detail"])
 
+    @campaign_only("a delivering hub killed twenty times")
     def test_nothing_is_lost_when_the_hub_is_killed_again_and_again(self):
-        campaign_only(self, "a delivering hub killed twenty times")
         import random
         self.receiver("ok")
         self.ended_session()
@@ -2680,8 +2681,8 @@ class TestInbox(HookCase):
         self.ok("session", "forget", self.b)
         self.assertEqual(self.sql("SELECT COUNT(*) FROM inbox WHERE session_id = ?", self.b)[0][0], 0)
 
+    @campaign_only("48 timed wake-ups of a parked reader")
     def test_wake_latency_from_another_process(self):
-        campaign_only(self, "48 timed wake-ups of a parked reader")
         latencies = []
         trials = 48
         for i in range(trials):
@@ -3090,8 +3091,8 @@ class TestSync(SyncCase):
         self.assertIn("PBX-AGENT-WORDS", json.dumps(winner.ok("show", pin["id"])["thread"]))
         self.assertNotIn("PBX-AGENT-WORDS", winner.inject(won_key))
 
+    @campaign_only("two machines working for 24 steps take half a minute")
     def test_two_machines_working_at_once_end_with_the_same_pins_and_threads(self):
-        campaign_only(self, "two machines working for 24 steps take half a minute")
         import random
         rng = random.Random(int(os.environ.get("PINBOX_FUZZ_SEED") or 17))
         a, b = self.machines()
@@ -3143,11 +3144,11 @@ class TestSync(SyncCase):
             numbers = sorted(r[0] for r in machine.sql("SELECT n FROM pins"))
             self.assertEqual(numbers, list(range(1, len(numbers) + 1)))
 
+    @campaign_only("twenty kill rounds of two machines' syncs take half a minute")
     def test_a_sync_killed_at_any_moment_leaves_everything_whole(self):
         """kill -9 of `pinbox sync` (and, every other round, of the git it runs) at random
         moments — mid-fetch, mid-import, mid-push: the store stays sound, every ref names
         a commit, and once syncs run to the end every event is there exactly once."""
-        campaign_only(self, "twenty kill rounds of two machines' syncs take half a minute")
         import random
         rng = random.Random(int(os.environ.get("PINBOX_FUZZ_SEED") or 23))
         a, b = self.machines()
@@ -5258,8 +5259,8 @@ class TestPageProxy(HubCase):
         self.assertIn("Origin: http://localhost:%d\r\n" % port, head)
         self.assertIn("Upgrade: websocket\r\n", head)
 
+    @campaign_only("five hubs started one after the other")
     def test_a_hub_started_again_serves_each_app_where_it_was(self):
-        campaign_only(self, "five hubs started one after the other")
         app, _ = fake_app(self, {"/": lambda h: send_plain(h, 200, b"<p>one</p>", [("Content-Type", "text/html")])})
         other, _ = fake_app(self, {"/": lambda h: send_plain(h, 200, b"<p>two</p>", [("Content-Type", "text/html")])})
         first = self.open_app(app)
@@ -5887,6 +5888,7 @@ class TestMcpServer(HubCase):
             print("\n  %s subscriber heard of a pin from another process in %.2f s (incl. that process)" % (era, took))
             client.close()
 
+    @campaign_only("each client is a Node or Python program of its own, started once a call")
     def test_garbage_a_huge_line_and_a_client_that_leaves(self):
         pin = self.pin("Keep me")
         client = McpClient(self)
@@ -5975,7 +5977,6 @@ class TestMcpConformance(PinboxCase):
     and the MCP Inspector's CLI."""
 
     def setUp(self):
-        campaign_only(self, "each client is a Node or Python program of its own, started once a call")
         super().setUp()
         self.pin_id = self.pin("Checkout button overlaps the total")["id"]
         self.ok("session", "register", "--agent", "claude", "--key", "k-conformance")
@@ -6100,8 +6101,8 @@ class TestMcpConfigsTheToolsAccept(PinboxCase):
     """What `init` writes for Gemini CLI and OpenCode, read by those tools themselves:
     their own `mcp list` starts pinbox's server and finds it connected."""
 
+    @campaign_only("Gemini CLI and OpenCode take seconds to start")
     def test_gemini_cli_and_opencode_connect_to_the_server_init_wrote(self):
-        campaign_only(self, "Gemini CLI and OpenCode take seconds to start")
         tools = [(name, agent_binary(name)) for name in ("gemini", "opencode")]
         tools = [(name, path) for name, path in tools if path]
         if not tools:
@@ -6246,8 +6247,8 @@ class TestGeminiOverMcp(AgentCase):
 class TestOpenCodeOverMcp(AgentCase):
     AGENT = "opencode"
 
+    @campaign_only("OpenCode takes about 8 s to start and connect its MCP servers")
     def test_opencode_lists_the_pins_and_replies_through_pinbox_mcp(self):
-        campaign_only(self, "OpenCode takes about 8 s to start and connect its MCP servers")
         self.fake.on_first_request = None
         self.ok("init", "--agent", "opencode")
         config = os.path.join(self.repo, "opencode.json")
@@ -6332,10 +6333,10 @@ class TestHooksFailOpen(HookCase):
             self.assert_quiet(stdin=garbage)
         self.assertEqual(self.ok("summary")["open"], 1)
 
+    @campaign_only("48 generated payloads for each of the four hook verbs")
     def test_generated_payloads(self):
         """Seeded garbage for every hook verb and agent: deep nesting, huge strings,
         binary, bad UTF-8, wrong types in the fields pinbox reads."""
-        campaign_only(self, "48 generated payloads for each of the four hook verbs")
         import random
         seed = int(os.environ.get("PINBOX_FUZZ_SEED") or random.randrange(1 << 30))
         rnd = random.Random(seed)
@@ -6467,8 +6468,8 @@ class TestClaudeCode(AgentCase):
         width, height, pixels = pictures[0]
         self.assertEqual((width, height, pixels[8][12][:3]), (24, 16, (250, 120, 0)))  # the model got the picture
 
+    @campaign_only("Chromium and Claude Code in one test, with the slow real tools")
     def test_claude_sees_the_button_the_person_pinned_in_the_browser(self):
-        campaign_only(self, "Chromium and Claude Code in one test, with the slow real tools")
         binary = chromium_binary()
         if binary is None:
             self.skipTest("chromium not installed (Debian package chromium; .ci/run installs it)")
@@ -7357,8 +7358,8 @@ print(json.dumps({"answers": answers, "problems": [(repr(a)[:300], c, t[:300]) f
 
 class TestCommandLine(PinboxCase):
 
+    @campaign_only("6,000 generated command lines, each a process of its own")
     def test_generated_command_lines(self):
-        campaign_only(self, "6,000 generated command lines, each a process of its own")
         import random
         seed = int(os.environ.get("PINBOX_FUZZ_SEED") or random.randrange(1 << 30))
         count = 4 * 1500
@@ -7711,8 +7712,8 @@ class TestToolbarInChromium(HubCase):
         except AssertionError:
             raise AssertionError("no toast with %r; toasts: %s" % (words, self.toasts()))
 
+    @campaign_only("with the longer toolbar tests, one at a time")
     def test_a_tag_with_a_wrong_token_says_so_at_once_and_stops_there(self):
-        campaign_only(self, "with the longer toolbar tests, one at a time")
         self.files["/stale"] = ("text/html; charset=utf-8", (
             "<!doctype html><meta charset=utf-8><title>Stale</title><script>window.streams = 0; const ES = EventSource;"
             "window.EventSource = function (url) { window.streams++; return new ES(url); };</script><h1>Stale</h1>"
@@ -7732,8 +7733,8 @@ class TestToolbarInChromium(HubCase):
         self.assertEqual(b.evaluate("window.streams"), 0)  # no live stream retrying a token that cannot work
         self.artifact("wrong-token.png")
 
+    @campaign_only("hash routes, a swapped body, a modal dialog, reloads and frames in one browser")
     def test_the_toolbar_keeps_up_with_what_apps_do_to_their_pages(self):
-        campaign_only(self, "hash routes, a swapped body, a modal dialog, reloads and frames in one browser")
         url = self.page("/spa", "<!doctype html><meta charset=utf-8><title>SPA</title><h1>Shop</h1><p id=a>Route text</p>")
         home = self.api("POST", "/pins", {"text": "Home", "author": {"userId": "u"},
                                           "target": {"url": url + "#/home", "selector": "#a"}}, 201)
@@ -7806,8 +7807,8 @@ class TestToolbarInChromium(HubCase):
         self.assertFalse(b.evaluate("!!document.querySelector('iframe').contentDocument.getElementById("
                                     "'pinbox-toolbar-host')"))
 
+    @campaign_only("two pages drawn and read back pixel by pixel")
     def test_a_picture_shows_a_scrolled_box_as_it_is_on_screen(self):
-        campaign_only(self, "two pages drawn and read back pixel by pixel")
         colours = [(200, 30, 30), (30, 160, 30), (30, 60, 200), (220, 160, 0), (140, 40, 160), (0, 150, 150),
                    (90, 90, 90), (240, 90, 160)]
         lines = "".join("<p id=l%d style='margin:0;height:50px;background:rgb%s'>Line %d</p>" % (i, c, i)
@@ -7851,8 +7852,8 @@ class TestToolbarInChromium(HubCase):
         b.wait_for("!!(%s)" % toolbar_element('[data-pinbox="comment"]'))
         b.type_text(text)
 
+    @campaign_only("a page of styled pictures drawn and read back pixel by pixel")
     def test_a_picture_keeps_the_pages_media_rules_background_pictures_and_cropped_images(self):
-        campaign_only(self, "a page of styled pictures drawn and read back pixel by pixel")
         self.files["/tile.png"] = ("image/png", make_png(8, 8, (0, 170, 90)))
         self.files["/stripes.png"] = ("image/png", make_png(300, 100, [(220, 0, 0), (0, 200, 0), (0, 0, 220)]))
         nbsp = "&nbsp;" * 12
@@ -7893,8 +7894,8 @@ class TestToolbarInChromium(HubCase):
         self.assertEqual(colour_at(left + 20, top + 10), (140, 0, 160))  # the box's text, scrolled as on screen
         self.artifact("capture-styled.png")
 
+    @campaign_only("with the longer toolbar tests, one at a time")
     def test_a_picture_that_cannot_be_had_never_costs_the_pin(self):
-        campaign_only(self, "with the longer toolbar tests, one at a time")
         b = self.browser
         # A canvas blocker (privacy extensions replace toDataURL): no picture can be read back.
         b.open(self.page("/blocked", "<!doctype html><meta charset=utf-8><title>Blocked</title><script>"
@@ -7915,8 +7916,8 @@ class TestToolbarInChromium(HubCase):
         pins = self.wait_pins(lambda pins: len(pins) == 2)
         self.assertEqual([a["kind"] for a in pins[0]["attachments"]], ["screenshot", "screenshot"])
 
+    @campaign_only("a capture held back for 3 s and a 12 MB picture drawn again take ~15 s under load")
     def test_a_picture_too_slow_or_too_big_never_costs_the_pin(self):
-        campaign_only(self, "a capture held back for 3 s and a 12 MB picture drawn again take ~15 s under load")
         b = self.browser
         # A lazy-loading script that holds back every picture: the copy of the page never draws.
         b.open(self.page("/lazy", "<!doctype html><meta charset=utf-8><title>Lazy</title><script>"
@@ -7949,8 +7950,8 @@ class TestToolbarInChromium(HubCase):
                 self.assertEqual(read_png(handle.read())[:2], (shot["width"], shot["height"]))
         self.artifact("capture-redrawn-smaller.png")
 
+    @campaign_only("two tab-capture streams in headless Chromium take ~15 s")
     def test_a_tab_capture_is_asked_for_once_and_shows_what_a_page_copy_cannot(self):
-        campaign_only(self, "two tab-capture streams in headless Chromium take ~15 s")
         other = self.foreign_picture(make_png(80, 60, (0, 160, 0)))
         url = self.page("/tab", "<!doctype html><meta charset=utf-8><title>Tab</title><script>window.asked = 0;"
                         "const real = navigator.mediaDevices.getDisplayMedia.bind(navigator.mediaDevices);"
@@ -8141,8 +8142,8 @@ class TestToolbarInChromium(HubCase):
                                   "w.textContent.split(' · ').slice(0, -1).join(' · ')).join('|') === "
                                   "'agent · claude (k-live-s)|human'"))
 
+    @campaign_only("with the longer toolbar tests, one at a time")
     def test_a_long_pin_in_a_narrow_window_leaves_every_control_in_reach(self):
-        campaign_only(self, "with the longer toolbar tests, one at a time")
         text = "The shipping row is cut off. " * 180  # about 5 KB
         pin = self.api("POST", "/pins", {"text": text, "author": {"userId": "u"},
                                          "target": {"url": self.url, "selector": "h1"}}, 201)
@@ -8392,8 +8393,8 @@ class TestToolbarInChromium(HubCase):
         b.open("http://127.0.0.1:%d/" % self.port)  # the address without its token
         b.wait_for("document.getElementById('err').textContent.includes('open it from the address `pinbox serve`')")
 
+    @campaign_only("three rounds of the hub page's 5 s refresh")
     def test_the_hub_page_asks_for_a_thread_only_when_it_changed(self):
-        campaign_only(self, "three rounds of the hub page's 5 s refresh")
         quiet = self.pin("Nobody replied to this one")
         talked = self.pin("Footer overlaps the cookie banner")
         self.ok("reply", talked["id"], "which page?", "--as", "agent")
