@@ -8155,9 +8155,12 @@ class TestToolbarInChromium(HubCase):
                                                       "mobile": False}, page=True)
         marker = self.shadow('[data-pinbox="marker"]')
         b.wait_for("!!(%s)" % marker, 10)
-        on_screen = ("(() => { const r = (%s).getBoundingClientRect(); return r.width > 0 && r.left >= 0 && r.top >= 0 && "
-                     "r.right <= innerWidth && r.bottom <= innerHeight; })()")
+        on_screen = ("(() => { const el = %s; if (!el) return false; const r = el.getBoundingClientRect(); return "
+                     "r.width > 0 && r.left >= 0 && r.top >= 0 && r.right <= innerWidth && r.bottom <= innerHeight; })()")
+        b.wait_for("innerWidth === 400 && %s" % (on_screen % marker))  # the marker has moved into the narrow window
+        time.sleep(0.1)
         b.click_at(marker)
+        b.wait_for("!!(%s)" % self.shadow('[data-pinbox="thread"]'))
         for control in ("reply", "send", "resolve"):
             b.wait_for(on_screen % self.shadow('[data-pinbox="%s"]' % control))
         self.artifact("long-pin-narrow.png")
