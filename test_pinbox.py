@@ -6198,9 +6198,17 @@ class TestCodexOverMcp(AgentCase):
             return None
         self.fake.tool_call = plan
         self.run_agent(["exec", "--skip-git-repo-check", "check the pins"], env)
+        runs = 1
+        if not any("mcp__pinbox" in json.dumps(b.get("tools")) for b in self.fake.requests):
+            # Codex starts its MCP servers beside the turn: under the suite's load its only
+            # request can go out before pinbox's tools are listed. The next run has them.
+            self.run_agent(["exec", "--skip-git-repo-check", "check the pins"], env)
+            runs = 2
         thread = self.ok("show", self.first["id"])["thread"]
         self.assertEqual([(m["role"], m["text"]) for m in thread], [("agent", "PBXCANARY-MCP: codex is on it")])
-        self.assertEqual(thread[0]["session"], self.agent_session()["id"])
+        sessions = [s for s in self.ok("session", "list") if s["agent"] == "codex"]
+        self.assertEqual(len(sessions), runs, sessions)
+        self.assertIn(thread[0]["session"], [s["id"] for s in sessions])  # the reply is the session's own
         bodies = [b for b in self.fake.requests if outputs(b)]
         self.assertIn(self.first["id"], json.dumps(outputs(bodies[0])[0]))
         self.assertIn(thread[0]["id"], json.dumps(outputs(bodies[-1])[-1]))  # the reply's result reached the model
