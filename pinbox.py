@@ -8238,7 +8238,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     state.shots = startCapture(elements);
     const comment = h('textarea', { 'data-pinbox': 'comment', 'aria-label': 'Comment', placeholder: 'What should change here? (paste an image to attach)',
       onkeydown: (e) => { if (e.key === 'Enter' && (e.ctrlKey || e.metaKey)) { e.preventDefault(); submit(); } },
-      oninput: () => { try { sessionStorage.setItem('pinbox.draft', comment.value); } catch (err) { /* this page only */ } },
+      oninput: () => storeDraft(comment.value),
       onpaste: (e) => {
         const item = Array.from((e.clipboardData && e.clipboardData.items) || []).find((i) => i.kind === 'file' && i.type.startsWith('image/'));
         if (item) { e.preventDefault(); setFile(item.getAsFile()); }
@@ -8309,9 +8309,13 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
 
   // A comment not sent is kept for the next pin: Esc, Cancel, a click elsewhere or the dev
   // server reloading the page (as it does when the agent edits a file) lose nothing.
+  function storeDraft(text) {
+    try { if (text) sessionStorage.setItem('pinbox.draft', text); else sessionStorage.removeItem('pinbox.draft'); } catch (err) { /* this page only */ }
+  }
+
   function keepDraft(text) {
     state.draft = text;
-    try { if (text) sessionStorage.setItem('pinbox.draft', text); else sessionStorage.removeItem('pinbox.draft'); } catch (err) { /* this page only */ }
+    storeDraft(text);
   }
 
   function closeComposer() {
