@@ -2290,10 +2290,13 @@ class TestResumeAndOpenClaw(DeliveryCase):
         self.ok("session", "end", sid)
         self.ok("reply", self.bound["id"], "resume me")
         deadline = time.monotonic() + 10
-        while not os.path.exists(marker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        with open(marker) as handle:
-            return int(handle.read())
+        while time.monotonic() < deadline:
+            try:
+                with open(marker) as handle:
+                    return int(handle.read())  # once written whole: it is made before it is written
+            except (OSError, ValueError):
+                time.sleep(0.05)
+        self.fail("the resumed claude never started its child")
 
     def test_a_hanging_resume_is_killed_with_its_children_and_delays_nothing_else(self):
         self.receiver("ok")
