@@ -130,9 +130,14 @@ def env_number(name, default):
 
 def git_output(args, cwd):
     """stdout of a git command, or None when git is missing or fails."""
+    return command_output(["git"] + args, cwd)
+
+
+def command_output(argv, cwd=None):
+    """stdout of a short command, or None when it is missing or fails."""
     import subprocess
     try:
-        done = subprocess.run(["git"] + args, cwd=cwd, stdin=subprocess.DEVNULL,
+        done = subprocess.run(argv, cwd=cwd, stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
@@ -684,6 +689,26 @@ def media_name(attachment):
     url = attachment.get("url") if isinstance(attachment, dict) else None
     name = url[len("/media/"):] if isinstance(url, str) and url.startswith("/media/") else ""
     return name if re.fullmatch(MEDIA_NAME, name) else None
+
+
+IMAGE_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF87a", "image/gif"),
+                    (b"GIF89a", "image/gif"))
+
+
+def picture_kind(head):
+    """The image type the first bytes of a file say it is (PNG, JPEG, GIF, WebP), or
+    None: what a page calls a screenshot is named a picture only when it is one."""
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "image/webp"
+    return next((kind for signature, kind in IMAGE_SIGNATURES if head.startswith(signature)), None)
+
+
+def picture_type(path):
+    try:
+        with open(path, "rb") as handle:
+            return picture_kind(handle.read(12))
+    except OSError:
+        return None
 
 
 # A spec is a type name, ("enum", values), ("list", spec), ("map", spec) or ("range",
@@ -1680,9 +1705,12 @@ def page_and_files(pin, home):
     if url:
         origin, path = split_origin(url)
         parts.append("page " + (path if origin and origin == home else url)[:300])
-    files = [a["path"] for a in pin.get("attachments") or () if isinstance(a, dict) and a.get("path")]
-    if files:
-        parts.append("attached: " + ", ".join(files[:4]) + (" (+%d more)" % (len(files) - 4) if len(files) > 4 else ""))
+    paths = [a["path"] for a in pin.get("attachments") or () if isinstance(a, dict) and a.get("path")]
+    pictures = [path for path in paths if picture_type(path)]
+    for label, files in (("attached", pictures), ("files (not pictures)", [p for p in paths if p not in pictures])):
+        if files:
+            parts.append("%s: %s%s" % (label, ", ".join(files[:4]), " (+%d more)" % (len(files) - 4)
+                                       if len(files) > 4 else ""))
     return flat("".join(" · " + part for part in parts))
 
 
@@ -1813,10 +1841,57 @@ class Pushes:
     never outlives the hub that started it), and whether the hub is ending them (then a
     push's failure is the hub's own doing, not a verdict: the next hub retries it)."""
 
-    def __init__(self):
+    def __init__(self, folder=None):
         import threading
         self.running = set()
         self.stopping = threading.Event()
+        # Where each running agent is written down (pid and start time), so that a hub
+        # started after this one was killed ends what it left running, before it resumes
+        # any session again: never two agents writing one transcript.
+        self.folder = folder
+
+    def started(self, proc):
+        self.running.add(proc)
+        if self.folder:
+            write_file(os.path.join(self.folder, "%d.json" % proc.pid),
+                       dumps_compact({"pid": proc.pid, "start": process_start(proc.pid)}), private=True)
+
+    def ended(self, proc):
+        self.running.discard(proc)
+        if self.folder:
+            try:
+                os.unlink(os.path.join(self.folder, "%d.json" % proc.pid))
+            except OSError:
+                pass
+
+    def end_orphans(self):
+        """Ends the agents a killed hub left running (each still the process it wrote
+        down: a pid reused since is left alone), and forgets them."""
+        import signal
+        try:
+            names = os.listdir(real_folder(self.folder))
+        except OSError:
+            return
+        for name in names:
+            path = os.path.join(self.folder, name)
+            try:
+                record = json_loads(read_text(path) or "")
+                pid = int(record["pid"])
+                alive = record["start"] is not None and process_start(pid) == record["start"]
+            except (ValueError, KeyError, TypeError):
+                alive = False
+            for sig in (signal.SIGTERM, signal.SIGKILL) if alive else ():
+                try:
+                    os.killpg(pid, sig)
+                except OSError:
+                    break
+                deadline = time.monotonic() + 2
+                while process_start(pid) == record["start"] and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
     def stop(self):
         """Ends the agents pushes wait on. Only signals: the push threads themselves
@@ -1836,6 +1911,19 @@ class Pushes:
                 return
 
 
+def process_start(pid):
+    """When a process started, as the system says (None once it is gone): with its pid,
+    what tells it from a later process that got the same pid."""
+    try:
+        with open("/proc/%d/stat" % pid) as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        return None if fields[0] == "Z" else fields[19]
+    except (OSError, IndexError):
+        pass
+    out = command_output(["ps", "-o", "lstart=,stat=", "-p", str(pid)]) if not os.path.isdir("/proc") else None
+    return out.strip()[:24] if out and "Z" not in out.split()[-1] else None
+
+
 def run_agent_command(argv, cwd, timeout, pushes):
     """Runs an agent CLI in its own process group, stdin from /dev/null; at the
     timeout the whole group is killed (a resumed agent may leave children behind).
@@ -1845,15 +1933,15 @@ def run_agent_command(argv, cwd, timeout, pushes):
     env = {name: value for name, value in os.environ.items() if name not in HUB_SECRETS}
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, start_new_session=True)
-    pushes.running.add(proc)
     try:
+        pushes.started(proc)
         _, err = proc.communicate(timeout=timeout)
         return proc.returncode, err.decode("utf-8", "replace").strip()[-500:]
     except subprocess.TimeoutExpired:
         end_process_group(proc)
         return None, ""
     finally:
-        pushes.running.discard(proc)
+        pushes.ended(proc)
 
 
 def end_process_group(proc):
@@ -2096,6 +2184,7 @@ def delivery_worker(hub, stop, owner, concurrency=16):
     busy = threading.BoundedSemaphore(concurrency)
     hub.pushing = 0
     replayed = False
+    hub.pushes.end_orphans()  # before any lease a dead hub held is given up: see replay_unrouted
 
     def run(claim):
         try:
@@ -3442,7 +3531,10 @@ def r_attachment(hub, request):
     content_type = (request.headers.get("content-type") or "").strip()
     if not content_type:
         raise invalid("content-type header is required", "send the attachment's MIME type, e.g. content-type: image/webp")
-    essence = content_type.split(";")[0].strip().lower()
+    declared = content_type.split(";")[0].strip().lower()
+    # What the bytes are, not what the page says: a picture only when its signature is one.
+    essence = picture_kind(request.body[:12]) or ("text/plain" if declared == "text/plain" else
+                                                  "application/octet-stream")
     attachment_id = new_id("att")
     # The name is the server's own: nothing the page sends reaches the file system.
     name = "%s.%s" % (attachment_id, MEDIA_TYPES.get(essence, "bin"))
@@ -3642,6 +3734,7 @@ LOCAL_ROUTES = (r_register, r_end_session, r_inject, r_pending, r_inbox_post, r_
 PUBLIC_ROUTES = (("GET", "/health"), ("GET", "/toolbar.js"), ("GET", "/"), ("GET", "/demo"))
 TOKEN_IN_QUERY = ("/stream", "/ws")  # EventSource and WebSocket cannot send headers
 MAX_CONNECTIONS = 512
+HEAD_DEADLINE_S = 10.0  # to send a request's line, headers and body
 
 
 def host_is_loopback(value):
@@ -3675,7 +3768,7 @@ class Hub:
         # wake-ups per write would starve every other request of the interpreter).
         self.listeners = {}
         self.stopping = threading.Event()  # set once: every thread of this hub winds down
-        self.pushes = Pushes()
+        self.pushes = Pushes(os.path.join(state_dir(root), "agents"))
         self.activity = Activity()  # every server of the hub (its API, its page proxies) touches it
         self.port = None
         self.proxies = {}  # (scheme, host, port) of an app -> the page proxy serving it
@@ -3907,10 +4000,31 @@ class HubServer:
         self.hub = hub
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.active = 0
+        # Connections still sending a request's head (or idle between requests), with
+        # when they began: one past HEAD_DEADLINE_S is cut, and when every slot is taken
+        # the longest of them makes room. A client that trickles bytes holds no slot long.
+        self.reading = {}
         super().__init__(address, handler)
 
+    def service_actions(self):  # (serve_forever calls it between polls)
+        self.cut_readers(time.monotonic() - HEAD_DEADLINE_S)
+
+    def cut_readers(self, before, count=None):
+        import socket
+        late = sorted((started, id(sock), sock) for sock, started in list(self.reading.items()) if started <= before)
+        for _, _, sock in late[:count]:
+            self.reading.pop(sock, None)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def process_request(self, request, client_address):
-        if not self.slots.acquire(blocking=False):
+        taken = self.slots.acquire(blocking=False)
+        if not taken and self.reading:  # every slot taken: the longest still sending its head makes room
+            self.cut_readers(time.monotonic(), count=1)
+            taken = self.slots.acquire(timeout=0.5)
+        if not taken:
             try:
                 request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
                                 b"Connection: close\r\nRetry-After: 1\r\n\r\n")
@@ -3936,7 +4050,22 @@ class HubServer:
             self.slots.release()
 
 
-class HubHandler:
+class ReadsWithDeadline:
+    """A handler whose connection is listed in its server's `reading` while a request's
+    head and body come in (see HubServer): `read()` says they have."""
+
+    def handle_one_request(self):
+        self.server.reading[self.connection] = time.monotonic()
+        try:
+            super().handle_one_request()
+        finally:
+            self.read()
+
+    def read(self):
+        self.server.reading.pop(self.connection, None)
+
+
+class HubHandler(ReadsWithDeadline):
     """The checks every request passes (Host, Origin, token, body limits) and CORS, then
     the router; /stream and /ws stay open and are served here."""
     protocol_version = "HTTP/1.1"
@@ -3948,6 +4077,7 @@ class HubHandler:
 
     def log_message(self, *args):
         pass  # nothing is logged: request lines carry tokens in query strings
+
 
     def do_GET(self):
         self.handle_one("GET")
@@ -4012,6 +4142,7 @@ class HubHandler:
                     ("Access-Control-Allow-Headers", "authorization, content-type, x-pinbox-session"),
                     ("Access-Control-Max-Age", "600")])
         if path == "/ws":
+            self.read()
             return serve_websocket(self, hub, query)
         if (method, path) not in PUBLIC_ROUTES and not self.authorized(path, query):
             return self.refuse(401, PinboxError("E_AUTH", "missing or invalid bearer token",
@@ -4019,6 +4150,7 @@ class HubHandler:
         body = self.read_body(path)
         if body is None:
             return
+        self.read()  # read whole: a wait or a stream may take long
         if path == "/stream" and method == "GET":
             return serve_stream(self, hub, query)
         request = Request(method, path, query, dict(self.headers), body)
@@ -4552,11 +4684,12 @@ def inject_toolbar(html, hub_origin, token, header_nonce=None):
     html = re.sub(rb"""(?is)(<meta\b[^>]*?http-equiv\s*=\s*["']?content-security-policy["']?[^>]*?"""
                   rb"""\bcontent\s*=\s*(["']))(.*?)(\2)""", meta, html)
     tag = toolbar_tag(hub_origin, token, nonces[0] if nonces else None).encode("utf-8")
+    # A "</body>" inside a script or a comment is the page's text, not its end.
+    quoted = [m.span() for m in re.finditer(rb"(?is)<script\b.*?(</script\s*>|\Z)|<!--.*?(-->|\Z)", html)]
     for closing in (rb"(?i)</body\s*>", rb"(?i)</head\s*>"):
-        found = list(re.finditer(closing, html))
+        found = [m.start() for m in re.finditer(closing, html) if not any(a <= m.start() < b for a, b in quoted)]
         if found:
-            at = found[-1].start()
-            return html[:at] + tag + html[at:]
+            return html[:found[-1]] + tag + html[found[-1]:]
     return html + tag
 
 
@@ -4605,11 +4738,16 @@ class ProxyServer(HubServer):
         super().__init__(address, handler, hub)
 
 
-class ProxyHandler:
+class BadChunk(Exception):
+    """A chunked request body that breaks its framing: answered 400, never passed on."""
+
+
+class ProxyHandler(ReadsWithDeadline):
     """One request to the page proxy, passed to the upstream and its answer back."""
     protocol_version = "HTTP/1.1"
     timeout = 60  # a browser's idle kept-alive connection is let go
     disable_nagle_algorithm = True
+    cut_short = False  # the app's answer ended before its body did
 
     def log_message(self, *args):
         pass  # an app's URLs are its own business
@@ -4645,14 +4783,22 @@ class ProxyHandler:
         origin = self.headers.get("Origin")
         if origin is not None and not host_is_loopback(origin):
             return self.refuse(403, "a page of another site may not use this app through pinbox")
-        length = self.headers.get("Content-Length")
-        if length is not None and not length.strip().isdigit():
+        lengths = {value.strip() for value in self.headers.get_all("Content-Length") or ()}
+        if len(lengths) > 1 or not all(length.isdigit() for length in lengths):
             return self.refuse(400, "Content-Length is not one plain number")
+        codings = [c.strip().lower() for c in ",".join(self.headers.get_all("Transfer-Encoding") or ()).split(",")]
+        if codings != [""] and (lengths or codings != ["chunked"]):
+            # Two framings, or one the app could read otherwise: the way requests are smuggled.
+            return self.refuse(400, "Transfer-Encoding must be chunked alone, without a Content-Length")
+        self.read()  # its head: a body is streamed to the app as it comes
         if self.headers.get("Upgrade"):
             return self.tunnel()
         import http.client
         try:
             answer = self.forward()
+        except BadChunk:
+            self.drop_upstream()
+            return self.refuse(400, "a malformed chunk in the request body")
         except (OSError, http.client.HTTPException) as exc:
             self.drop_upstream()
             return self.upstream_down(exc)
@@ -4740,17 +4886,28 @@ class ProxyHandler:
         return conn.getresponse()
 
     def relay_chunked_body(self, conn):
+        """The request's chunks, each checked before it is passed on: a size that is not
+        hex, data not ended by its line break, or a body cut short is a BadChunk."""
+        import re
         while True:
             size_line = self.rfile.readline(1024)
+            size = re.fullmatch(rb"([0-9A-Fa-f]{1,8})(;[^\r\n]*)?\r?\n", size_line)
+            if size is None:
+                raise BadChunk()
             conn.send(size_line)
-            size = int(size_line.split(b";")[0].strip() or b"0", 16)
+            size = int(size.group(1), 16)
             if size == 0:
                 while True:  # trailers, up to the blank line
                     line = self.rfile.readline(8192)
+                    if not line.endswith(b"\n"):
+                        raise BadChunk()
                     conn.send(line)
-                    if line in (b"\r\n", b"\n", b""):
+                    if line in (b"\r\n", b"\n"):
                         return
-            conn.send(self.rfile.read(size + 2))
+            data = self.rfile.read(size + 2)
+            if len(data) != size + 2 or not data.endswith(b"\r\n"):
+                raise BadChunk()
+            conn.send(data)
 
     def answer(self, answer):
         """The upstream's answer: an HTML page with the toolbar in it, anything else
@@ -4762,8 +4919,9 @@ class ProxyHandler:
             headers = [(n, rewrite_location(v, self.server.upstream_origins, self.proxy_origin())
                         if n.lower() == "location" else v) for n, v in headers]
         if kind in HTML_TYPES and not bodiless:
+            self.cut_short = False
             body = self.read_whole(answer)
-            page = decoded_body(body, answer.getheader("Content-Encoding")) if not self.close_connection else None
+            page = decoded_body(body, answer.getheader("Content-Encoding")) if not self.cut_short else None
             if page is not None:
                 return self.send_page(answer, headers, page)
             return self.send_whole(answer, headers, body)
@@ -4790,10 +4948,10 @@ class ProxyHandler:
         try:
             return answer.read()
         except http.client.IncompleteRead as exc:
-            self.close_connection = True
+            self.close_connection = self.cut_short = True
             return exc.partial
         except OSError:
-            self.close_connection = True
+            self.close_connection = self.cut_short = True
             return b""
 
     def copy_body(self, answer, chunked):
@@ -5143,12 +5301,14 @@ def mcp_tool_list(version):
 
 
 def pin_brief(pin):
-    """A pin as a tool shows it: what an agent needs to act, paths not bytes."""
+    """A pin as a tool shows it: what an agent needs to act, paths not bytes (pictures
+    apart from other files)."""
     target = pin.get("target") or {}
+    paths = [a["path"] for a in pin.get("attachments") or () if isinstance(a, dict) and a.get("path")]
     return ordered({"id": pin["id"], "n": pin.get("n"), "status": pin.get("status"), "text": pin.get("text"),
                     "where": pin_locus(pin), "others": [t.get("selector") for t in target.get("targets") or ()] or None,
-                    "page": target.get("url"), "screenshots": [a["path"] for a in pin.get("attachments") or ()
-                                                                if isinstance(a, dict) and a.get("path")] or None,
+                    "page": target.get("url"), "screenshots": [p for p in paths if picture_type(p)] or None,
+                    "files": [p for p in paths if not picture_type(p)] or None,
                     "agentSession": pin.get("agentSession"), "createdAt": pin.get("createdAt")},
                    ("id", "n", "status", "text"))
 
@@ -5417,11 +5577,12 @@ class McpServer:
         images = []
         for a in pin.get("attachments") or ():
             path = a.get("path") if isinstance(a, dict) else None
-            if path and os.path.dirname(os.path.realpath(path)) == media and os.path.isfile(path) \
-                    and os.path.getsize(path) <= ATTACHMENT_LIMIT:
+            kind = path and os.path.dirname(os.path.realpath(path)) == media and os.path.isfile(path) \
+                and os.path.getsize(path) <= ATTACHMENT_LIMIT and picture_type(path)
+            if kind:
                 with open(path, "rb") as handle:
                     images.append({"type": "image", "data": base64.b64encode(handle.read()).decode("ascii"),
-                                   "mimeType": a.get("contentType") or "image/png"})
+                                   "mimeType": kind})
         data = {"note": DATA_NOTE, "pin": pin_brief(pin), "target": pin.get("target"),
                 "thread": get_thread(self.store, pin["id"]), "deliveries": deliveries_for_pin(self.store, pin["id"])}
         return data, images

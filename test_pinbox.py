@@ -2359,6 +2359,44 @@ class TestResumeAndOpenClaw(DeliveryCase):
             time.sleep(0.05)
         self.assertFalse(pid_running(grandchild))
 
+    def test_a_hub_killed_while_an_agent_runs_never_lets_a_second_resume_overlap_it(self):
+        """SIGKILL leaves the resumed agent running (its own process group); the next
+        hub ends it before it resumes the session again."""
+        lock, log = os.path.join(self.tmp, "transcript.lock"), os.path.join(self.tmp, "overlaps.log")
+        self.fake_binary("claude", "import fcntl\nheld = open(%r, 'a')\ntry:\n"
+                                   "    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB); said = 'alone'\n"
+                                   "except OSError:\n    said = 'overlap'\n"
+                                   "open(%r, 'a').write('%%s %%d\\n' %% (said, os.getpid()))\ntime.sleep(120)"
+                                   % (lock, log))
+        self.start_hub()
+        sid = self.ok("session", "register", "--agent", "claude", "--key", "k-kill", "--cwd", self.repo)["id"]
+        self.ok("session", "end", sid)
+        self.bound_pin("resume me", "claude", "k-kill")
+
+        def lines():
+            try:
+                with open(log) as handle:
+                    return handle.read().split()
+            except OSError:
+                return []
+        deadline = time.monotonic() + 20  # hang guard
+        while not lines():
+            self.assertLess(time.monotonic(), deadline, "claude was never resumed")
+            time.sleep(0.05)
+        first = int(lines()[1])
+        self.addCleanup(lambda: pid_running(first) and os.killpg(first, signal.SIGKILL))
+        self.proc.kill()
+        self.proc.wait()
+        self.assertTrue(pid_running(first))  # SIGKILL reached the hub, not the agent's group
+        self.start_hub()
+        while len(lines()) < 4:
+            self.assertLess(time.monotonic(), deadline + 20, "claude was never resumed again")
+            time.sleep(0.05)
+        second = int(lines()[3])
+        self.addCleanup(lambda: pid_running(second) and os.killpg(second, signal.SIGKILL))
+        self.assertEqual(lines()[::2], ["alone", "alone"])
+        self.assertFalse(pid_running(first))
+
     def test_a_stopping_hub_ends_the_agent_it_resumed_and_releases_the_row(self):
         grandchild = self.start_hanging_resume("slow")
         self.proc.send_signal(signal.SIGTERM)
@@ -3905,6 +3943,35 @@ class TestHubApi(HubCase):
         block = news[news.index("human reply on pin %s" % here["id"]):]
         self.assertIn("page http://localhost:5173/checkout?step=2 · attached: %s" % shot["path"], block.split("\n")[0])
 
+    def test_a_file_is_named_a_picture_only_when_its_bytes_are_one(self):
+        uploads = {}
+        for name, body, declared in (("png", PNG_1PX, "image/png"), ("fake", b"<html><script>alert(1)</script>",
+                                                                      "image/png"),
+                                     ("notes", b"plain notes", "text/plain"), ("gif", b"GIF89a" + b"\0" * 20,
+                                                                               "application/octet-stream"),
+                                     ("webp", b"RIFF\0\0\0\0WEBPVP8 ", "image/webp"), ("jpeg", b"\xff\xd8\xff\xe0",
+                                                                                      "image/jpeg")):
+            code, data, _ = self.request("POST", "/attachments?kind=screenshot", raw=body,
+                                         headers={"Content-Type": declared})
+            self.assertEqual(code, 201, data)
+            uploads[name] = data["data"]["attachment"]
+        self.assertEqual({k: (v["contentType"], v["url"].rsplit(".", 1)[1]) for k, v in uploads.items()},
+                         {"png": ("image/png", "png"), "fake": ("application/octet-stream", "bin"),
+                          "notes": ("text/plain", "txt"), "gif": ("image/gif", "gif"), "webp": ("image/webp", "webp"),
+                          "jpeg": ("image/jpeg", "jpg")})
+        pin = self.post_pin("see these", attachments=[uploads["png"], uploads["fake"], uploads["notes"]])
+        self.ok("session", "register", "--agent", "claude", "--key", "k-files")
+        context = self.run_pinbox("session", "inject", "--agent", "claude", "--key", "k-files").json["data"]["context"]
+        self.assertIn(" · attached: %s · files (not pictures): %s, %s" % (
+            uploads["png"]["path"], uploads["fake"]["path"], uploads["notes"]["path"]), context)
+        client = McpClient(self)
+        client.initialize()
+        shown = client.tool("show_pin", id=pin["id"])
+        self.assertEqual([(c["type"], c.get("mimeType")) for c in shown["content"][1:]], [("image", "image/png")])
+        brief = json.loads(shown["content"][0]["text"])["pin"]
+        self.assertEqual((brief["screenshots"], brief["files"]),
+                         ([uploads["png"]["path"]], [uploads["fake"]["path"], uploads["notes"]["path"]]))
+
     def test_host_origin_cors_and_body_limits(self):
         code, data, _ = self.request("GET", "/health", token=False, headers={"Host": "evil.example"})
         self.assertEqual(code, 403)
@@ -4358,6 +4425,40 @@ class TestHubWireFuzz(HubCase):
     SLOW_CLIENTS = 12 if FULL else 4
     IDLE_CLIENTS = 40 if FULL else 10
     SLOW_GAP = 1.0 if FULL else 0.3  # seconds between the bytes of a slow request
+
+    def test_five_hundred_and_twelve_trickling_connections_leave_room_for_everyone_else(self):
+        """Each holds a connection open by sending a byte now and then, never a whole
+        request: the hub cuts the longest of them when its slots run out (and each past
+        its head deadline), so /health and the page's routes still answer at once."""
+        tricklers = []
+        for _ in range(pinbox.MAX_CONNECTIONS):
+            sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+            sock.sendall(b"G")
+            tricklers.append(sock)
+        self.addCleanup(lambda: [s.close() for s in tricklers])
+        stop = threading.Event()
+
+        def trickle():
+            while not stop.wait(0.3):
+                for sock in tricklers:
+                    try:
+                        sock.sendall(b"E")
+                    except OSError:
+                        pass
+        feeder = threading.Thread(target=trickle, daemon=True)
+        feeder.start()
+        self.addCleanup(stop.set)
+        answers = []
+        for n in range(20):
+            path = "/health" if n % 2 else "/pins"
+            sock = socket.create_connection(("127.0.0.1", self.port), timeout=1.0)  # hang guard: a second
+            sock.sendall(("GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer %s\r\nConnection: close"
+                          "\r\n\r\n" % (path, self.token)).encode())
+            answers.append(recv_all(sock).split(b" ", 2)[1])
+            sock.close()
+        self.assertEqual(answers, [b"200"] * 20)
+        stop.set()
+        self.assertNotIn(b"Traceback", self.proc_stderr_so_far())
 
     def test_malformed_requests_on_the_wire(self):
         import random
@@ -4892,9 +4993,10 @@ class TestSecurity(DeliveryCase):
         self.assertFalse(os.path.exists(media) and os.listdir(media))
         before = set(self.snapshot()[1])
         made = []
-        for content_type, ext in (("image/../../png", "bin"), ("image/png;name=../../x", "png"),
+        # The bytes name the kind (these are no picture), never what the header says.
+        for content_type, ext in (("image/../../png", "bin"), ("image/png;name=../../x", "bin"),
                                   ("../../../../tmp/x", "bin"), ("image/png/../../../x.sh", "bin"),
-                                  ("IMAGE/PNG; filename=\"../../evil\"", "png"), ("text/plain%2F..%2F..", "bin")):
+                                  ("IMAGE/PNG; filename=\"../../evil\"", "bin"), ("text/plain%2F..%2F..", "bin")):
             code, data, _ = self.request("POST", "/attachments?kind=screenshot", raw=b"data",
                                          headers={"Content-Type": content_type})
             self.assertEqual(code, 201, (content_type, data))
@@ -5312,6 +5414,12 @@ class TestProxyParts(unittest.TestCase):
         self.assertEqual(inject(b"<p>a</p></BODY></html>", self.HUB, "tok"), b"<p>a</p>" + tag + b"</BODY></html>")
         self.assertEqual(inject(b"<head></head><p>x", self.HUB, "tok"), b"<head>" + tag + b"</head><p>x")
         self.assertEqual(inject(b"<p>only", self.HUB, "tok"), b"<p>only" + tag)
+        # A "</body>" in a script after the page's end, or in a comment, is the page's text.
+        page = b"<body><p>x</p></body><script>var s = '</body>';</script><!-- </body> -->"
+        self.assertEqual(inject(page, self.HUB, "tok"),
+                         b"<body><p>x</p>" + tag + b"</body><script>var s = '</body>';</script><!-- </body> -->")
+        self.assertEqual(inject(b"<head><script>'</head>'</script></head>", self.HUB, "tok"),
+                         b"<head><script>'</head>'</script>" + tag + b"</head>")
         page = inject(b"<meta http-equiv='Content-Security-Policy' content='script-src &#39;self&#39;'></body>",
                       self.HUB, "tok")
         self.assertIn(b"content='script-src &#39;self&#39; %s'" % self.HUB.encode(), page)
@@ -5466,6 +5574,48 @@ class TestPageProxy(HubCase):
         err = self.proc_stderr_so_far()
         self.assertNotIn(b"Traceback", err)
         self.assertNotIn(self.token.encode(), err)
+
+    def test_every_html_answer_gets_the_toolbar_and_a_smuggled_body_is_refused(self):
+        app, seen = fake_app(self, {"/": lambda h: send_plain(h, 200, b"<body><p>app</p></body></html>",
+                                                              [("Content-Type", "text/html")]),
+                                    "/echo": lambda h: send_plain(h, 200, b"ok")})
+        port = self.open_app(app)
+
+        def exchange(head, body=b""):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=20)
+            sock.sendall(head.replace(b"\n", b"\r\n") + b"\r\n" + body)
+            received = b""
+            while True:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                received += chunk
+                if b"</html>" in received or (b"\r\n\r\n" in received and received.startswith(b"HTTP/1.1 4")):
+                    break
+            sock.close()
+            return received
+        host = b"Host: localhost:%d\n" % port
+        for version, connection in ((b"HTTP/1.1", b""), (b"HTTP/1.1", b"Connection: close\n"),
+                                    (b"HTTP/1.1", b"Connection: keep-alive\n"), (b"HTTP/1.0", b""),
+                                    (b"HTTP/1.0", b"Connection: keep-alive\n")):
+            received = exchange(b"GET / " + version + b"\n" + host + connection)
+            self.assertIn(b"/toolbar.js", received, (version, connection))
+        before = len(seen)
+        for framing, body in ((b"Content-Length: 4\nTransfer-Encoding: chunked\n", b"0\r\n\r\n"),
+                              (b"Transfer-Encoding: identity\n", b"GET /smuggled HTTP/1.1\r\n\r\n"),
+                              (b"Content-Length: 3\nContent-Length: 20\n", b"abcGET /x HTTP/1.1\r\n\r\n"),
+                              (b"Transfer-Encoding: chunked\n", b"zz\r\nabc\r\n0\r\n\r\n"),
+                              (b"Transfer-Encoding: chunked\n", b"3\r\nabcXY0\r\n\r\n")):
+            received = exchange(b"POST /echo HTTP/1.1\n" + host + framing, body)
+            self.assertTrue(received.startswith(b"HTTP/1.1 400 "), (framing, body, received[:80]))
+        self.assertEqual([s[1] for s in seen[before:] if s[1] != "/echo"], [])  # nothing smuggled through
+        good = exchange(b"POST /echo HTTP/1.1\n" + host + b"Transfer-Encoding: chunked\nConnection: close\n",
+                        b"3\r\nabc\r\n0\r\n\r\n")
+        self.assertTrue(good.startswith(b"HTTP/1.1 200 "), good[:80])
+        self.assertEqual(seen[-1][1], "/echo")
+        self.assertNotIn(b"Traceback", open(os.path.join(self.repo, ".pinbox", "hub.log"), "rb").read()
+                         if os.path.exists(os.path.join(self.repo, ".pinbox", "hub.log")) else b"")
+        self.assertNotIn(b"Traceback", self.proc_stderr_so_far())
 
     def test_an_upgrade_is_tunnelled_byte_for_byte(self):
         listener = socket.socket()
