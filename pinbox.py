@@ -9263,10 +9263,18 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     const open = here
       ? h('button', { type: 'button', class: 'item-open', 'data-pinbox': 'drawer-pin', 'data-pin-id': pin.id,
         onclick: () => { closeDrawer(); flash(pin); openThread(pin.id); } }, body)
-      : h('a', { class: 'item-open', 'data-pinbox': 'drawer-pin', 'data-pin-id': pin.id, href: pin.target.url }, body);
+      : webUrl(pin.target && pin.target.url)
+        ? h('a', { class: 'item-open', 'data-pinbox': 'drawer-pin', 'data-pin-id': pin.id, href: webUrl(pin.target.url) }, body)
+        : h('div', { class: 'item-open', 'data-pinbox': 'drawer-pin', 'data-pin-id': pin.id }, body);
     return h('div', { class: 'item' }, open,
       h('button', { type: 'button', class: 'small', 'data-pinbox': 'copy-pin', 'data-pin-id': pin.id, 'aria-label': 'Copy pin ' + pin.n + ' as Markdown',
         onclick: () => copyText(pinMarkdown(pin), 'Pin #' + pin.n + ' copied') }, 'Copy'));
+  }
+
+  // Only an http(s) address ever becomes a link or a copied page address: a pin's URL came
+  // from a page or a teammate, and javascript: would run in this page, next to the token.
+  function webUrl(url) {
+    try { const u = new URL(url); return /^https?:$/.test(u.protocol) ? u.href : null; } catch (err) { return null; }
   }
 
   // A pin as Markdown a person can paste into any chat (file paths, never the token).
@@ -9274,7 +9282,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     const lines = ['### Pin #' + (pin.n || '?') + ' (' + (pin.status || 'open') + ')', ''];
     for (const line of String(pin.text || '').split('\n')) lines.push('> ' + line);
     lines.push('');
-    if (pin.target && pin.target.url) lines.push('- Page: ' + pin.target.url);
+    if (webUrl(pin.target && pin.target.url)) lines.push('- Page: ' + webUrl(pin.target.url));
     if (where(pin)) lines.push('- Element: `' + where(pin).split('`').join("'") + '`');
     for (const a of pin.attachments || []) {
       if (a && (a.path || a.url)) lines.push((a.kind === 'file' ? '- Image: ' : '- Screenshot: ') + (a.path || new URL(a.url, ENDPOINT).href));

@@ -8525,6 +8525,32 @@ class TestToolbarInChromium(HubCase):
         self.assertNotIn("Old resolved thing", copied)
         self.assertNotIn(self.token, copied)
 
+    def test_a_pin_whose_page_is_no_web_address_never_becomes_a_link(self):
+        """A pin kept from before addresses were checked (an older store, a teammate's
+        sync) names a javascript: page: the drawer shows it, links nowhere, and its copy
+        names no page."""
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        try:
+            pinbox.create_pin(store, {"text": "Old pin from elsewhere", "author": {"userId": "u"},
+                                      "target": {"url": "javascript:document.title='pwned'", "selector": "h1"}})
+        finally:
+            store.close()
+        b = self.browser
+        b.allow_clipboard(self.site)
+        b.open(self.url)
+        b.wait_for(self.in_shadow("!!root.querySelector('[data-pinbox=\"toggle\"]')"), 10)
+        b.key("i")
+        b.wait_for(self.in_shadow("root.querySelectorAll('[data-pinbox=\"drawer-pin\"]').length === 1"))
+        self.assertEqual(b.evaluate(self.in_shadow("Array.from(root.querySelectorAll('[href]')).map(a => a.href)"
+                                                   ".filter(h => !/^https?:/.test(h))")), [])
+        b.click_at(toolbar_element('[data-pinbox="drawer-pin"]'))
+        b.click_at(toolbar_element('[data-pinbox="copy-pin"]'))
+        b.wait_for(self.in_shadow("Array.from(root.querySelectorAll('.toast')).some(t => t.textContent.includes('copied'))"))
+        copied = b.evaluate("navigator.clipboard.readText()")
+        self.assertIn("Old pin from elsewhere", copied)
+        self.assertNotIn("javascript:", copied)
+        self.assertEqual(b.evaluate("document.title"), "Shop")
+
     def test_a_pins_status_follows_the_ledger_live(self):
         pin = self.api("POST", "/pins", {"text": "Total is wrong", "author": {"userId": "u"},
                                          "target": {"url": self.url, "selector": "h1"}}, 201)
