@@ -3972,6 +3972,21 @@ class TestHubApi(HubCase):
         self.assertEqual((brief["screenshots"], brief["files"]),
                          ([uploads["png"]["path"]], [uploads["fake"]["path"], uploads["notes"]["path"]]))
 
+    def test_malformed_bodies_get_a_400_never_a_500(self):
+        pin = self.post_pin("target of replies")
+        bodies = [b"[" * 1000 + b"]" * 1000, b"[" * 100000, b'{"text": "a\\ud800", "author": {"userId": "u"}}',
+                  b'{"text": "t", "author": {"userId": "\\udfff"}}', b'{"text": "t", "author": {"userId": "u"}, '
+                  b'"target": {"rect": {"x": 1e999, "y": 0, "width": 1, "height": 1}}}',
+                  b'{"text": "t", "author": {"userId": "u"}, "target": {"context": {"styles": {"\\ud800": "x"}}}}',
+                  b'{"role": "human", "text": "' + b"9" * 5000 + b'", "x": ' + b"9" * 5000 + b'}',
+                  b'{"text": "t", "author": {"userId": "u"}, "env": {"viewport": {"w": ' + b"9" * 400 + b', "h": 1, "dpr": 1}}}']
+        for body in bodies:
+            for path in ("/pins", "/pins/%s/thread" % pin["id"], "/sessions"):
+                code, data, _ = self.request("POST", path, raw=body, headers={"Content-Type": "application/json"})
+                self.assertEqual((code, data["error"]["code"]), (400, "E_INVALID_INPUT"), (path, body[:80], data))
+        self.assertEqual(len(self.api("GET", "/pins")), 1)
+        self.assertNotIn(b"Traceback", self.proc_stderr_so_far())
+
     def test_host_origin_cors_and_body_limits(self):
         code, data, _ = self.request("GET", "/health", token=False, headers={"Host": "evil.example"})
         self.assertEqual(code, 403)
@@ -6133,6 +6148,27 @@ class TestMcpProtocol(unittest.TestCase):
         self.request("initialize", {"protocolVersion": "2024-11-05", "capabilities": {}})
         self.assertNotIn("annotations", self.request("tools/list")["result"]["tools"][0])  # ...2024-11-05 has not
 
+    def test_lone_surrogates_and_deep_nesting_get_answers_and_the_server_goes_on(self):
+        """Once an id or a method with a lone surrogate ended the server without a word."""
+        lines = [b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18"}}',
+                 b'{"jsonrpc":"2.0","id":"\\ud800","method":"ping"}',
+                 b'{"jsonrpc":"2.0","id":3,"method":"ping\\udfff"}',
+                 b'{"jsonrpc":"2.0","id":4,"method":"resources/read","params":{"uri":"pinbox://\\ud800"}}',
+                 b'{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{"name":"reply","arguments":'
+                 b'{"id":"pin_0000000000","text":"a\\ud800"}}}',
+                 b"[" * 1000 + b"]" * 1000, b"[" * 100000, b'{"jsonrpc":"2.0","id":1e999,"method":"ping"}',
+                 b'{"jsonrpc":"2.0","id":9,"method":"ping"}']
+        out = io.BytesIO()
+        server = pinbox.McpServer(self.tmp, self.store, out)
+        self.addCleanup(server.stop.set)
+        server.serve(io.BytesIO(b"\n".join(lines) + b"\n"))
+        answers = [json.loads(line) for line in out.getvalue().decode("utf-8").splitlines()]
+        self.assertEqual([(a.get("id"), (a.get("error") or {}).get("code")) for a in answers],
+                         [(1, None), ("\ud800", None), (3, -32601), (4, -32002), (5, None), (None, -32700),
+                          (None, -32700), (None, -32600), (9, None)])
+        self.assertIs(answers[4]["result"]["isError"], True)
+        self.assertIn("lone surrogate", answers[4]["result"]["content"][0]["text"])
+
     def test_a_modern_request_carries_its_revision(self):
         discover = self.request("server/discover", {"_meta": MODERN_META})["result"]
         self.assertEqual((discover["supportedVersions"], discover["resultType"], discover["cacheScope"]),
@@ -6744,9 +6780,17 @@ class TestHooksFailOpen(HookCase):
     def test_garbage_on_stdin(self):
         self.pin()
         for garbage in (b"not json", b"\xff\xfe\x00", b"[1, 2]", b'{"session_id": 5}', b"", b"[" * 100000,
-                        b'{"cwd": "/nowhere"}'):
+                        b'{"cwd": "/nowhere"}', b"[" * 1000 + b"]" * 1000, b'{"session_id": 1e999}'):
             self.assert_quiet(stdin=garbage)
+        # A lone surrogate where pinbox reads: said clearly, on one line, and nothing stored.
+        for field in ("session_id", "cwd", "hook_event_name"):
+            body = json.loads(payload("k-bad", "UserPromptSubmit", self.repo))
+            body[field] = "x\ud800y"
+            self.assert_quiet(stdin=json.dumps(body).encode())
+            r = self.run_pinbox("session", "inject", "--hook", "--agent", "claude", stdin=json.dumps(body).encode())
+            self.assertEqual(r.err, "pinbox: hook payload %s: not valid Unicode (a lone surrogate)\n" % field)
         self.assertEqual(self.ok("summary")["open"], 1)
+        self.assertEqual(self.ok("session", "list"), [])
 
     @campaign_only("48 generated payloads for each of the four hook verbs")
     def test_generated_payloads(self):
