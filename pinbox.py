@@ -566,23 +566,30 @@ STORE_GITIGNORE = "# made by pinbox: none of this goes into git\n*\n"
 
 def make_store_folder(directory):
     """The store's folder, private (0700) and kept out of git from its first moment: it
-    is made whole beside its final name, with its .gitignore, and renamed into place, so
-    no `git add -A` ever sees it without one."""
+    is made whole elsewhere, with its .gitignore, and renamed into place, so no `git add
+    -A` ever sees it without one."""
     import shutil
     import tempfile
     if os.path.isdir(directory):
         return
     parent = os.path.dirname(os.path.abspath(directory))
     os.makedirs(parent, exist_ok=True)
-    made = tempfile.mkdtemp(prefix=".pinbox-new-", dir=parent)
-    try:
-        write_file(os.path.join(made, ".gitignore"), STORE_GITIGNORE)
-        os.rename(made, directory)
-    except OSError:
-        if not os.path.isdir(directory):  # (another process may have made it first: that one stands)
-            raise
-    finally:
-        shutil.rmtree(made, ignore_errors=True)
+    # First inside the repository's .git folder, which git never lists (not even a
+    # half-written file); beside the store's place when that is another disk, or none.
+    inside = os.path.join(parent, ".git")
+    for base in ([inside] if os.path.isdir(inside) else []) + [parent]:
+        made = tempfile.mkdtemp(prefix="pinbox-new-", dir=base)
+        try:
+            write_file(os.path.join(made, ".gitignore"), STORE_GITIGNORE)
+            os.rename(made, directory)
+            return
+        except OSError:
+            if os.path.isdir(directory):  # another process made it first: that one stands
+                return
+            if base == parent:
+                raise
+        finally:
+            shutil.rmtree(made, ignore_errors=True)
 
 
 def file_identity(path):

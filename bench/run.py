@@ -104,9 +104,18 @@ def bench_env(workdir):
     return env
 
 
-def fill(store, resolved, open_count, module=pinbox):
+def fill(store, resolved, open_count, module=pinbox, bulk=False):
     """History: `resolved` resolved pins, then `open_count` open ones (written by
-    `module`, a pinbox)."""
+    `module`, a pinbox); `bulk` writes them all in one transaction (tens of thousands)."""
+    if bulk:
+        store.conn.execute("BEGIN IMMEDIATE")
+        store.write = lambda: module._NoTransaction(store)
+        try:
+            fill(store, resolved, open_count, module)
+        finally:
+            del store.write
+            store.conn.execute("COMMIT")
+        return
     for i in range(resolved):
         pin = module.create_pin(store, {"text": "old pin %d, long since fixed" % i,
                                         "target": {"url": "http://localhost:3000/", "selector": "#el%d" % i}})
@@ -191,6 +200,44 @@ def bench_hooks(runs, workdir):
                 name = ("UserPromptSubmit hook, first prompt ever" if event == "first" else "%s hook" % event)
                 rows.append(hook_row("%s, %d open / 10,000 resolved%s" % (name, open_count, label), samples[n],
                                      floor_ms))
+    return rows
+
+
+def bench_flood(runs, workdir):
+    """The prompt hook (a session's first prompt, and the next) and the Stop hook with
+    10, 1,000, 5,000 and 20,000 open pins that no session has yet, over 50,000 resolved
+    ones, beside the floor (and --baseline): flat, whatever waits."""
+    env = bench_env(workdir)
+    floor = [timed_rss(["sh", "-c", " ".join(FLOOR[:3]) + " 'pass'"], workdir, env) for _ in range(runs)]
+    rows = [dict(name="floor: sh -c 'python3 -I -S -c pass'", **summarize([f[0] for f in floor]),
+                 rss_kib=max(f[1] for f in floor))]
+    versions = [("", os.path.join(ROOT, "pinbox.py"), pinbox)]
+    if BASELINE:
+        versions.append((" [baseline]", BASELINE, load_pinbox(BASELINE)))
+    for waiting in (10, 1000, 5000, 20000):
+        projects = []
+        for n, (_, script, module) in enumerate(versions):
+            path = os.path.join(workdir, "flood-%d-%d" % (waiting, n))
+            make_repo(path, env)
+            subprocess.run([sys.executable, script, "init", "--agent", "claude"], cwd=path, env=env, check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            store = module.Store(os.path.join(path, ".pinbox"))
+            fill(store, 50000, waiting, module, bulk=True)
+            store.close()
+            with open(os.path.join(path, ".claude", "settings.json")) as handle:
+                hooks = json.load(handle)["hooks"]
+            projects.append((path, {event: groups[0]["hooks"][0]["command"] for event, groups in hooks.items()}))
+        for event in ("first", "UserPromptSubmit", "Stop"):
+            samples = [[] for _ in versions]
+            for i in range(runs if event != "first" else max(3, runs // 3)):  # a slow baseline takes seconds
+                for n, (repo, command) in enumerate(projects):
+                    samples[n].append(first_prompt(repo, env, command["UserPromptSubmit"], i) if event == "first"
+                                      else timed_rss(["sh", "-c", command[event]], repo, env, hook_payload(repo)))
+            name = {"first": "prompt hook, a session's first", "UserPromptSubmit": "prompt hook, the next",
+                    "Stop": "Stop hook"}[event]
+            for n, (label, _, _) in enumerate(versions):
+                rows.append(hook_row("%s, %d waiting / 50,000 resolved%s" % (name, waiting, label), samples[n],
+                                     rows[0]["median_ms"]))
     return rows
 
 
@@ -797,7 +844,7 @@ def bench_sync(runs, workdir):
             dict(name="pinbox sync of one new pin", **summarize(samples["one"]), target_ms=1000)]
 
 
-BENCHMARKS = {"hooks": bench_hooks, "commit": bench_commit, "cli": bench_cli, "hub": bench_hub,
+BENCHMARKS = {"hooks": bench_hooks, "flood": bench_flood, "commit": bench_commit, "cli": bench_cli, "hub": bench_hub,
               "delivery": bench_delivery, "inbox": bench_inbox, "proxy": bench_proxy, "toolbar": bench_toolbar,
               "mcp": bench_mcp, "sync": bench_sync}
 
