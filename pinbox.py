@@ -3008,9 +3008,10 @@ def check_event(event, device):
     return event
 
 
-def import_media(root, store, batches):
-    """Writes the screenshots of new pins into this store's media folder (before the
-    pins: a sync killed between leaves a file nobody names, never a pin naming no file)."""
+def import_media(root, store, batches, ref):
+    """Writes the screenshots of new pins that came on `ref` into this store's media
+    folder (before the pins: a sync killed between leaves a file nobody names, never a
+    pin naming no file). Returns what it left out, to be set aside with its reason."""
     folder = real_folder(os.path.join(store.directory, "media"))
     wanted = {}
     for sha, _author, _host, events in batches:
@@ -3021,9 +3022,15 @@ def import_media(root, store, batches):
                 name = media_name(attachment)
                 if name and not os.path.exists(os.path.join(folder, name)):
                     wanted["%s:media/%s" % (sha, name)] = name
+    left_out = []
     for spec, data in read_objects(root, sorted(wanted), ATTACHMENT_LIMIT).items():
-        if data:  # (a picture over the cap, or missing, is left out: the pin comes without it)
+        if data:
             write_file(os.path.join(folder, wanted[spec]), data, private=True)
+        elif data is False:  # (one missing is no news: the pin comes without it, as it would)
+            sha, _, name = spec.partition(":media/")
+            left_out.append((SYNC_DEVICE_REFS + ref.rsplit("/", 1)[-1], sha, None,
+                             "picture %s is over %d bytes: the pin comes without it" % (name, ATTACHMENT_LIMIT), ""))
+    return left_out
 
 
 def apply_imported(store, ref_heads, batches, device, set_aside=()):
@@ -3276,7 +3283,7 @@ def sync_now(root, remote=None, explicit=False, children=None, wait=True):
                      children=children, remote=remote)
             imported = set_aside = 0
             for ref, head, batches, rejects in fetched_batches(root, store, remote, device):
-                import_media(root, store, batches)
+                rejects += import_media(root, store, batches, ref)
                 counts = apply_imported(store, [(ref, head)], batches, device, rejects)
                 imported, set_aside = imported + counts[0], set_aside + counts[1]
             commit, written = commit_batch(root, store, device, host, children)

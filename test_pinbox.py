@@ -3489,6 +3489,160 @@ class TestSync(SyncCase):
         self.assertIn("steps back", a.sql("SELECT reason FROM sync_rejects ORDER BY id DESC LIMIT 1")[0][0])
         self.assertEqual(len(a.ok("show", made["id"])["thread"]), 1)
 
+    def test_a_campaign_of_hostile_events_between_valid_ones(self):
+        """Teammates push batches that mix valid events with generated hostile ones (wrong
+        types, bad Unicode, huge and negative clocks, deep nesting, forged devices, clocks
+        that step back, claims older than their pin, oversized text and pictures): every
+        valid event arrives once, every hostile one is set aside with a reason, both stores
+        stay whole and the prompt hook keeps working. Replay with PINBOX_FUZZ_SEED."""
+        import random
+        seed = int(os.environ.get("PINBOX_FUZZ_SEED") or random.randrange(2 ** 31))
+        rnd = random.Random(seed)
+        a, b = self.machines()
+        base = a.ok("pin", "a's own pin, for claims to name")
+        a.sync()
+        device_a = a.ok("sync", "--status")["device"]
+        made_at = a.sql("SELECT clock FROM sync_events WHERE pin_id = ?", base["id"])[0][0]
+        devices = ["dev_teammate%02d" % n for n in range(3)]
+        # One Lamport clock for the teammates (each saw a's pin and what the others sent),
+        # and the last clock each of them used.
+        clock, clocks = [made_at], dict.fromkeys(devices, made_at)
+        heads = dict.fromkeys(devices)
+        valid_pins, valid_messages, hostile = [], [], 0
+        batches, per_batch = campaign(12, 40), campaign(50, 320)
+        new_id = lambda prefix: "%s_%s" % (prefix, "".join(rnd.choice("abcdefghijklmnopqrstuvwxyz0123456789")
+                                                           for _ in range(10)))
+
+        def nested(depth):
+            value = "x"
+            for _ in range(depth):
+                value = [value]
+            return value
+
+        def good(device):
+            clock[0] += 1
+            clocks[device] = clock[0]
+            if valid_pins and rnd.random() < 0.4:
+                message = new_id("msg")
+                valid_messages.append(message)
+                return sync_event(device, clocks[device], "thread.message", {
+                    "id": message, "pinId": rnd.choice(valid_pins + [base["id"]]), "role": "human",
+                    "text": "a reply %d" % clocks[device]})
+            pin = new_id("pin")
+            valid_pins.append(pin)
+            return sync_event(device, clocks[device], "pin.created", new_pin_data(pin, text="valid pin %s" % pin))
+
+        def bad(device):
+            """One hostile line: every one of these is set aside, none moves the clock."""
+            at = clock[0] + 1 + rnd.randrange(5)
+            pin = new_pin_data(new_id("pin"))
+            event = sync_event(device, at, "pin.created", pin)
+            kind = rnd.randrange(22)
+            if kind == 0:
+                pin["text"] = rnd.choice([7, None, [], {"a": 1}, True, ""])
+            elif kind == 1:
+                pin["text"] = "bad \ud800 unicode"
+            elif kind == 2:
+                pin["target"] = rnd.choice(["#a", 5, [], {"url": 5}, {"selector": ["x"]}, {"rect": {"x": "1"}}])
+            elif kind == 3:
+                pin["target"] = {"url": rnd.choice(["javascript:alert(1)", "data:text/html,x", "http://x/\n",
+                                                     "ftp://x/", "//x/", "http://"])}
+            elif kind == 4:
+                event["clock"] = rnd.choice([2 ** 53 + 1, 2 ** 63, -1, 0, 1.5, "5", None])
+                event["id"] = "%s.%s" % (device, event["clock"])
+            elif kind == 5:
+                pin["target"] = {"context": {"classes": nested(rnd.choice([3, 50, 900]))}}
+            elif kind == 6:
+                return b'{"id":"%s.%d","data":' % (device.encode(), at) + b"[" * 1200 + b"]" * 1200 + b"}"
+            elif kind == 7:
+                event["device"] = rnd.choice([device_a, "dev_someoneels", devices[0] if device != devices[0]
+                                              else devices[1]])
+                event["id"] = "%s.%d" % (event["device"], at)
+            elif kind == 8:
+                event["id"] = "%s.%d" % (device, at + 1)
+            elif kind == 9:  # a clock this teammate has already passed (a fresh id all the same)
+                if clocks[device] <= made_at + 1:
+                    return b"not json at all"
+                event["clock"] = made_at + 1 + rnd.randrange(clocks[device] - made_at - 1)
+                event["id"] = "%s.%d" % (device, event["clock"])
+                event["type"], event["data"] = "thread.message", {"id": new_id("msg"), "pinId": base["id"],
+                                                                  "role": "human", "text": "stepped back"}
+            elif kind == 10:
+                pin["text"] = "x" * (64 * 1024 + rnd.randrange(1, 100))
+            elif kind == 11:
+                event["type"] = rnd.choice(["pin.deleted", "", 5, "thread.message"])
+            elif kind == 12:
+                pin["id"] = rnd.choice(["../../etc", "pin_short", "PIN_AAAAAAAAAA", 5])
+            elif kind == 13:
+                pin["attachments"] = [{"id": "att_x", "kind": "screenshot", "url": rnd.choice(
+                    ["/etc/passwd", "http://evil/x.png", "/media/../x.png"])}]
+            elif kind == 14:
+                pin["agentSession"] = {"agent": rnd.choice(["claude", "x"]), "key": rnd.choice(["-rf", "", 5])}
+            elif kind == 15:
+                event["at"] = rnd.choice(["yesterday", 5, "2026-01-01T00:00:00Z\n", ""])
+            elif kind == 16:
+                return rnd.choice([b"\xff\xfe", b"[1,2]", b"null", b'"a string"', b"{", b"\x00" * 10])
+            elif kind == 17:  # a claim on a's pin from before a's pin existed
+                event["type"], event["data"] = "pin.bound", {"id": base["id"], "agentSession": {
+                    "agent": "claude", "key": "thief"}}
+                event["clock"] = rnd.randrange(1, made_at + 1)
+                event["id"] = "%s.%d" % (device, event["clock"])  # (a step back, or older than the pin)
+            elif kind == 18:
+                event["type"], event["data"] = "pin.resolved", {"id": base["id"], "resolution": rnd.choice(
+                    ["done", {"by": "god"}, {"note": 5}])}
+            elif kind == 19:
+                event["type"], event["data"] = "pin.verified", {"id": base["id"], "verification": {
+                    "outcome": rnd.choice(["deleted", None, 5])}}
+            elif kind == 20:
+                event["type"], event["data"] = "thread.message", {"id": new_id("msg"), "pinId": base["id"],
+                                                                  "role": rnd.choice(["god", None]), "text": "x"}
+            else:
+                pin["author"] = rnd.choice(["eve", 5, {"userId": 5}, {"name": "no id"}])
+            return event
+
+        for n in range(batches):
+            device = devices[n % len(devices)]
+            lines, media = [], {}
+            for _ in range(per_batch):
+                if rnd.random() < 0.2:
+                    lines.append(good(device))
+                else:
+                    lines.append(bad(device))
+                    hostile += 1
+            if n % 4 == 3:  # a valid pin whose picture is over the cap: the pin comes, the picture is set aside
+                clock[0] += 1
+                clocks[device] = clock[0]
+                pin = new_id("pin")
+                valid_pins.append(pin)
+                media["att_toobigtoo%d.png" % (n % 10)] = b"\x89PNG\r\n\x1a\n" + b"\0" * (5 * 1024 * 1024)
+                lines.append(sync_event(device, clocks[device], "pin.created", new_pin_data(pin, attachments=[
+                    {"id": "att_toobigtoo%d" % (n % 10), "kind": "screenshot",
+                     "url": "/media/att_toobigtoo%d.png" % (n % 10)}])))
+                hostile += 1
+            heads[device] = push_batch(a.repo, device, lines, media=media, parent=heads[device])
+            b.sync()
+            if n % 3 == 0:
+                context = b.inject("kb")
+                self.assertTrue(context.startswith("Pinbox: "), (seed, n, context[:200]))
+        a.sync()
+        for machine in (a, b):
+            self.assertEqual(machine.sql("PRAGMA integrity_check"), [("ok",)], machine.name)
+            set_aside = machine.sql("SELECT reason FROM sync_rejects")
+            self.assertEqual(len(set_aside), hostile, (seed, machine.name))
+            self.assertTrue(all(r[0] for r in set_aside))
+            pins = [r[0] for r in machine.sql("SELECT id FROM pins")]
+            self.assertEqual(sorted(pins), sorted(valid_pins + [base["id"]]), (seed, machine.name))
+            messages = [r[0] for r in machine.sql("SELECT id FROM thread_messages")]
+            self.assertEqual(sorted(messages), sorted(valid_messages), (seed, machine.name))
+            self.assertEqual(machine.ok("show", base["id"])["pin"]["status"], "open")
+            self.assertNotIn("thief", json.dumps(machine.ok("show", base["id"])))
+        b.ok("pin", "still mine to make")
+        b.sync()
+        a.sync()
+        self.assertIn("still mine to make", [p["text"] for p in a.ok("list")])
+        print("\n  hostile sync campaign seed %d: %d hostile, %d valid pins, %d valid messages"
+              % (seed, hostile, len(valid_pins), len(valid_messages)))
+
     def test_a_force_push_over_your_own_ref_is_repaired_by_the_next_sync(self):
         a, b = self.machines()
         first = a.ok("pin", "a's first pin")
@@ -3520,6 +3674,8 @@ class TestSync(SyncCase):
         self.assertEqual(sorted(os.listdir(media)), ["att_smallsmal1.png"])
         attachments = b.ok("show", "pin_withmedia1")["pin"]["attachments"]
         self.assertEqual([("path" in x) for x in attachments], [False, True])
+        self.assertEqual(b.ok("sync", "--status")["lastSetAside"]["reason"],
+                         "picture att_bigbigbig1.png is over 5242880 bytes: the pin comes without it")
         # Its size is asked first: git never hands its bytes over.
         spec = git(b.repo, "rev-parse", "refs/pinbox/fetched/origin/" + eve) + ":media/att_bigbigbig1.png"
         with unittest.mock.patch.object(pinbox, "git_call", wraps=pinbox.git_call) as calls:
