@@ -9763,7 +9763,9 @@ async function load() {
       get("/deliveries"), get("/sync"), get("/progress")]);
     document.getElementById("sync").textContent = sync.enabled
       ? "Syncing with git remote " + sync.remote + " · last sync " + (sync.lastSyncAt || "never") +
-        (sync.lastError ? " · last error: " + sync.lastError : "") + " · " + sync.waiting + " event(s) waiting"
+        (sync.lastError ? " · last error: " + sync.lastError : "") + " · " + sync.waiting + " event(s) waiting" +
+        (sync.setAside ? " · " + sync.setAside + " event(s) from teammates set aside, the last because " +
+         sync.lastSetAside.reason + " (`pinbox sync --status`)" : "")
       : "Sync is off: pins stay on this machine (`pinbox sync` shares them through the git remote)";
     for (const t of ["pins", "sessions", "deliveries"]) {
       const el = document.getElementById(t); while (el.rows.length > 1) el.deleteRow(1);

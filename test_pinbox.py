@@ -4185,6 +4185,8 @@ class TestHubApi(HubCase):
                   b'{"text": "t", "author": {"userId": "\\udfff"}}', b'{"text": "t", "author": {"userId": "u"}, '
                   b'"target": {"rect": {"x": 1e999, "y": 0, "width": 1, "height": 1}}}',
                   b'{"text": "t", "author": {"userId": "u"}, "target": {"context": {"styles": {"\\ud800": "x"}}}}',
+                  b'{"text": "t", "author": {"userId": "u"}, "target": {"url": "javascript:alert(1)"}}',
+                  b'{"text": "t", "author": {"userId": "u"}, "target": {"targets": [{"url": "data:text/html,x"}]}}',
                   b'{"role": "human", "text": "' + b"9" * 5000 + b'", "x": ' + b"9" * 5000 + b'}',
                   b'{"text": "t", "author": {"userId": "u"}, "env": {"viewport": {"w": ' + b"9" * 400 + b', "h": 1, "dpr": 1}}}']
         for body in bodies:
@@ -9093,10 +9095,25 @@ class TestToolbarInChromium(HubCase):
         self.ok("session", "register", "--agent", "claude", "--key", "k-page", "--cwd", self.repo)
         pin = self.pin("Footer overlaps the cookie banner")
         self.ok("reply", pin["id"], "which page?", "--as", "agent")
+        # What a sync set aside is shown, and a pin kept from before the checks stays text.
+        self.sql_write("INSERT INTO sync_settings(key, value) VALUES ('enabled', '1'), ('remote', 'origin')")
+        self.sql_write("INSERT INTO sync_rejects(ref, event_id, reason, body, at) VALUES "
+                       "('refs/pinbox/devices/dev_eveeveeve1', 'dev_eveeveeve1.3', 'its clock 3 steps back', '', 'x')")
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        try:
+            pinbox.create_pin(store, {"text": "<img src=x onerror=\"document.title='pwned'\">", "target": {
+                "url": "javascript:document.title='pwned'", "selector": "<b>sel</b>"}})
+        finally:
+            store.close()
         b = self.browser
         b.open("http://127.0.0.1:%d/#token=%s" % (self.port, self.token))
-        b.wait_for("document.getElementById('pins').rows.length > 1 && "
+        b.wait_for("document.getElementById('pins').rows.length > 2 && "
                    "document.getElementById('deliveries').rows.length > 1")
+        self.assertIn("1 event(s) from teammates set aside, the last because its clock 3 steps back",
+                      b.evaluate("document.getElementById('sync').textContent"))
+        self.assertIn("<img src=x onerror=", b.evaluate("document.getElementById('pins').innerText"))
+        self.assertEqual(b.evaluate("document.querySelectorAll('#pins img, #pins b, a[href^=javascript]').length"), 0)
+        self.assertNotEqual(b.evaluate("document.title"), "pwned")
         pins = b.evaluate("document.getElementById('pins').innerText")
         self.assertIn("Footer overlaps the cookie banner", pins)
         b.wait_for("document.getElementById('pins').innerText.includes('agent: which page?')")
