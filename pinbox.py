@@ -487,7 +487,8 @@ class Store:
             try:
                 make_store_folder(directory)
                 # 0600 before SQLite opens it: its -wal and -shm files take the database's mode.
-                os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+                flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW  # novermin (flags, not a type union)
+                os.close(os.open(self.path, flags, 0o600))
             except OSError as exc:
                 raise PinboxError("E_INTERNAL", "cannot create %s: %s" % (directory, exc.strerror),
                                   "check that the project directory exists and is writable")
