@@ -47,7 +47,7 @@ MAX_TEXT_BYTES = 64 * 1024
 PIN_STATUSES = ("open", "resolved")
 ROLES = ("human", "agent", "mirror")
 BUSY_TIMEOUT_S = 10.0
-NOT_FOUND_HINT = "run `pinbox list` to see valid ids (full ids only — prefixes don't match)"
+NOT_FOUND_HINT = "run `pinbox list` to see valid ids (full ids, or numbers such as 3 or #3 — prefixes don't match)"
 
 
 class PinboxError(Exception):
@@ -885,10 +885,17 @@ def create_pin(store, fields):
     return pin
 
 
-def _read_pin(conn, pin_id):
-    row = conn.execute("SELECT json FROM pins WHERE id = ?", (pin_id,)).fetchone()
+def _read_pin(conn, handle):
+    """The pin a person names: by its id, or by the number the page and `list` show
+    (`3` or `#3`, this machine's own); E_NOT_FOUND when there is none."""
+    import re
+    handle = normalize_id(handle)
+    number = re.fullmatch(r"#?([0-9]{1,15})", handle) if isinstance(handle, str) else None
+    row = conn.execute("SELECT json FROM pins WHERE n = ?" if number else "SELECT json FROM pins WHERE id = ?",
+                       (int(number.group(1)) if number else handle,)).fetchone()
     if row is None:
-        raise PinboxError("E_NOT_FOUND", "no pin with id %s" % pin_id, NOT_FOUND_HINT)
+        raise PinboxError("E_NOT_FOUND", "no pin %s" % (("number %s" % number.group(1)) if number else
+                                                         "with id %s" % plain(str(handle)[:80])), NOT_FOUND_HINT)
     return json_loads(row[0])
 
 
@@ -898,9 +905,9 @@ def find_pin(conn, pin_id):
     return json_loads(row[0]) if row else None
 
 
-def get_pin(store, pin_id):
+def get_pin(store, handle):
     with store.guard():
-        return _read_pin(store.conn, normalize_id(pin_id))
+        return _read_pin(store.conn, handle)
 
 
 def _save_pin(conn, pin):
@@ -966,18 +973,17 @@ def get_thread(store, pin_id):
     return [json_loads(raw) for (raw,) in rows]
 
 
-def add_message(store, pin_id, role, text, session=None, origin=None, attachments=None):
-    pin_id = normalize_id(pin_id)
+def add_message(store, handle, role, text, session=None, origin=None, attachments=None):
     if role not in ROLES:
         raise invalid('invalid role: "%s" (expected human, agent or mirror)' % role)
     text = clean_text(text, "reply text")
     if not text.strip():
         raise invalid("reply text must not be empty", 'quote the message: pinbox reply <id> "your text"')
-    message = {"id": new_id("msg"), "pinId": pin_id, "role": role, "origin": origin,
-               "session": session, "text": text, "attachments": attachments, "at": iso_time()}
-    message = ordered(message, MESSAGE_KEYS)
     with store.write() as conn:
-        _read_pin(conn, pin_id)
+        pin_id = _read_pin(conn, handle)["id"]
+        message = {"id": new_id("msg"), "pinId": pin_id, "role": role, "origin": origin,
+                   "session": session, "text": text, "attachments": attachments, "at": iso_time()}
+        message = ordered(message, MESSAGE_KEYS)
         conn.execute("INSERT INTO thread_messages(id, pin_id, at, json) VALUES (?, ?, ?, ?)",
                      (message["id"], pin_id, message["at"], dumps_compact(message)))
         store.index_text(conn, pin_id, "msg", text)
@@ -985,14 +991,14 @@ def add_message(store, pin_id, role, text, session=None, origin=None, attachment
     return message
 
 
-def resolve_pin(store, pin_id, by, note=None, commit=None, session=None):
+def resolve_pin(store, handle, by, note=None, commit=None, session=None):
     """Marks a pin resolved. A fix that a human rejected earlier (a reopen) is history
     now: the old verification is dropped so the new resolution can be judged afresh."""
-    pin_id = normalize_id(pin_id)
     if note is not None:
         note = clean_text(note, "note")
     with store.write() as conn:
-        pin = _read_pin(conn, pin_id)
+        pin = _read_pin(conn, handle)
+        pin_id = pin["id"]
         if pin.get("status") == "resolved":
             raise PinboxError("E_CONFLICT", "%s is already resolved" % pin_id,
                               "run `pinbox show %s` to see who resolved it and why" % pin_id)
@@ -1005,18 +1011,17 @@ def resolve_pin(store, pin_id, by, note=None, commit=None, session=None):
     return ordered(pin, PIN_KEYS)
 
 
-def verify_pin(store, pin_id, outcome, note=None):
+def verify_pin(store, handle, outcome, note=None):
     """A human's verdict on a resolution: `accepted` keeps it resolved, `reopened`
     rejects the fix and opens the pin again (a deliverable event)."""
-    pin_id = normalize_id(pin_id)
     if outcome not in ("accepted", "reopened"):
         raise invalid('invalid outcome: "%s" (expected accepted or reopened)' % outcome)
     if note is not None:
         note = clean_text(note, "note")
     with store.write() as conn:
-        pin = _read_pin(conn, pin_id)
+        pin = _read_pin(conn, handle)
         if pin.get("status") != "resolved":
-            raise PinboxError("E_CONFLICT", "%s is not resolved" % pin_id,
+            raise PinboxError("E_CONFLICT", "%s is not resolved" % pin["id"],
                               "only a resolved pin can be %s" % outcome)
         verification = ordered({"outcome": outcome, "note": note, "at": iso_time()},
                                ("outcome", "note", "at"))

@@ -1643,8 +1643,29 @@ class TestPins(PinboxCase):
             self.assertEqual(result.code, 3, args)
             self.assertEqual(result.json, {"ok": False, "error": {
                 "code": "E_NOT_FOUND", "message": "no pin with id %s" % args[1],
-                "hint": "run `pinbox list` to see valid ids (full ids only — prefixes don't match)"}})
+                "hint": "run `pinbox list` to see valid ids (full ids, or numbers such as 3 or #3 — prefixes don't match)"}})
         self.assertEqual(self.ok("show", pin["id"].upper())["pin"]["id"], pin["id"])
+
+    def test_a_pin_is_named_by_its_number_as_the_page_shows_it(self):
+        """The page says "Pin #2": `2`, `#2` and the id name it to every verb and tool."""
+        first, second = self.pin("first"), self.pin("second")
+        self.assertEqual(second["n"], 2)
+        for handle in ("2", "#2", " #2 ", second["id"]):
+            self.assertEqual(self.ok("show", handle)["pin"]["id"], second["id"], handle)
+        self.assertEqual(self.ok("reply", "#1", "noted")["pinId"], first["id"])
+        self.assertEqual(self.ok("resolve", "2")["id"], second["id"])
+        self.assertEqual(self.ok("reopen", "#2", "--note", "still broken")["status"], "open")
+        self.assertEqual(self.ok("show", first["id"])["thread"][0]["text"], "noted")
+        for handle in ("3", "#0", "#", "#-1", "2.0", "#2x"):
+            error = self.fails("E_NOT_FOUND", 3, "show", handle)
+            self.assertIn("no pin", error["message"])
+        self.assertEqual(self.fails("E_NOT_FOUND", 3, "show", "#3")["message"], "no pin number 3")
+        client = McpClient(self)
+        client.initialize()
+        shown = client.tool("show_pin", id="#1")
+        self.assertEqual(json.loads(shown["content"][0]["text"])["pin"]["id"], first["id"])
+        self.assertIs(client.tool("reply", id="2", text="from the agent")["isError"], False)
+        self.assertEqual(self.ok("show", second["id"])["thread"][-1]["text"], "from the agent")
 
     def test_reopen_rejects_a_fix_and_a_new_resolution_starts_fresh(self):
         pin = self.pin()
@@ -7879,7 +7900,7 @@ class TestHumanOutput(PinboxCase):
                          % (pin["id"], pin["id"]))
         r = self.human("show", "pin_doesnotexist")
         self.assertEqual((r.code, r.err), (3, "pinbox: no pin with id pin_doesnotexist\n"
-                                              "run `pinbox list` to see valid ids (full ids only — prefixes don't match)\n"))
+                                              "run `pinbox list` to see valid ids (full ids, or numbers such as 3 or #3 — prefixes don't match)\n"))
         r = self.human("frobnicate")
         self.assertEqual((r.code, r.err), (2, "pinbox: unknown command 'frobnicate'\nrun `pinbox --help` for usage\n"))
         r = self.human("pin", "")
