@@ -133,6 +133,28 @@ def git_output(args, cwd):
     return command_output(["git"] + args, cwd)
 
 
+def git_stamp(root):
+    """The branch and commit the project is on, for a new pin's env (empty outside git
+    or before the first commit)."""
+    out = git_output(["rev-parse", "HEAD", "--abbrev-ref", "HEAD"], root)
+    lines = (out or "").split()
+    if len(lines) != 2:
+        return {}
+    return {"branch": lines[1], "commit": lines[0]}
+
+
+def git_author(cwd):
+    out = git_output(["config", "--get-regexp", r"^user\.(name|email)$"], cwd) or ""
+    found = {}
+    for line in out.splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip():
+            found[key.split(".")[-1]] = value.strip()
+    author = {"userId": found.get("email") or os.environ.get("USER") or "unknown"}
+    author.update((k, found[k]) for k in ("name", "email") if k in found)
+    return author
+
+
 def command_output(argv, cwd=None):
     """stdout of a short command, or None when it is missing or fails."""
     import subprocess
@@ -3536,6 +3558,8 @@ def r_create_pin(hub, request):
         fields["attachments"] = own_attachments(hub, fields["attachments"])
     fields.setdefault("env", {})
     fields["env"].update(hub.git_stamp())
+    # The page knows its person only as a browser id; the hub is theirs: it names them.
+    fields["author"] = dict({k: v for k, v in hub.person().items() if k != "userId"}, **fields["author"])
     with hub.store() as store:
         pin = create_pin(store, fields)
     hub.changed()
@@ -3839,6 +3863,7 @@ class Hub:
         self._pool = []
         self._lock = threading.Lock()
         self._stamp = None
+        self._person = None
 
     def store(self):
         """`with hub.store() as store:` — a connection from the pool, for one request."""
@@ -3878,6 +3903,13 @@ class Hub:
             for store in self._pool:
                 store.close()
             self._pool = []
+
+    def person(self):
+        """Who works here, as git knows them (read once): the author of the pins their
+        pages send."""
+        if self._person is None:
+            self._person = git_author(self.root)
+        return self._person
 
     def git_stamp(self):
         """The branch and commit for a new pin, looked up at most once a second: one git
@@ -4522,8 +4554,8 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
         hub.restore_proxies()
         write_file(port_path, "%d\n" % bound, private=True)
         write_file(hub_json, json.dumps({"pid": os.getpid(), "port": bound, "token": hub.token,
-                                         "localToken": hub.local_token, "version": VERSION}, indent=2) + "\n",
-                   private=True)
+                                         "localToken": hub.local_token, "project": root, "version": VERSION},
+                                        indent=2) + "\n", private=True)
         write_file(server_json, json.dumps({"port": bound}, indent=2) + "\n")
         owner = "hub-%d-%s" % (os.getpid(), new_id("ses")[4:])
         for target, args in ((hub.watch, (hub.stopping,)), (delivery_worker, (hub, hub.stopping, owner)),
@@ -6625,10 +6657,18 @@ class Context:
 
     @property
     def store(self):
-        """The store for writing: made on first use."""
+        """The store for writing: made on first use — in a git repository, or by a verb
+        that says it starts a project (init, open, serve, mcp); anywhere else a person is
+        asked for `init` rather than given a project they did not mean to start."""
         if self._store is None or not self._store.exists:
             self.close()
-            self._store = Store(store_dir(self.root), self.timeout)
+            root = self.root
+            if not (os.path.isdir(store_dir(root)) or os.path.exists(os.path.join(root, ".git"))
+                    or os.environ.get("PINBOX_DIR") or self.args.verb in ("init", "open", "serve", "mcp")):
+                raise PinboxError("E_NOT_FOUND", "no pinbox project here: %s is in no git repository and no "
+                                  "project; one would start in %s" % (self.cwd, root),
+                                  "run `pinbox init` in your app's repository (or here, to start a project here)")
+            self._store = Store(store_dir(root), self.timeout)
         return self._store
 
     @property
@@ -6654,28 +6694,6 @@ def read_text_arg(value, what):
     except UnicodeDecodeError:
         raise invalid("%s on stdin is not valid UTF-8" % what,
                       "pinbox stores text as UTF-8; convert it first (for example with iconv -t UTF-8)")
-
-
-def git_stamp(root):
-    """The branch and commit the project is on, for a new pin's env (empty outside git
-    or before the first commit)."""
-    out = git_output(["rev-parse", "HEAD", "--abbrev-ref", "HEAD"], root)
-    lines = (out or "").split()
-    if len(lines) != 2:
-        return {}
-    return {"branch": lines[1], "commit": lines[0]}
-
-
-def git_author(cwd):
-    out = git_output(["config", "--get-regexp", r"^user\.(name|email)$"], cwd) or ""
-    found = {}
-    for line in out.splitlines():
-        key, _, value = line.partition(" ")
-        if value.strip():
-            found[key.split(".")[-1]] = value.strip()
-    author = {"userId": found.get("email") or os.environ.get("USER") or "unknown"}
-    author.update((k, found[k]) for k in ("name", "email") if k in found)
-    return author
 
 
 def file_source(raw, cwd):
@@ -6924,10 +6942,14 @@ def toolbar_ways(port, token):
     tag = '<script src="%s" data-token="%s"></script>' % (src, token)
     loader = ("var s=document.createElement('script');s.src='%s';s.setAttribute('data-token','%s');"
               "document.body.appendChild(s);" % (src, token))
-    snippet = ("if (import.meta.env.DEV) {  // Vite; webpack: if (process.env.NODE_ENV !== 'production')\n"
+    # The snippet goes into app source, which is committed: it names the token by a
+    # variable that lives in .env.local (Vite loads it; git ignores *.local in its template).
+    snippet = ("if (import.meta.env.DEV && import.meta.env.VITE_PINBOX_TOKEN) {  // the token: .env.local\n"
                "  const s = document.createElement('script');\n  s.src = '%s';\n"
-               "  s.setAttribute('data-token', '%s');\n  document.head.appendChild(s);\n}" % (src, token))
+               "  s.setAttribute('data-token', import.meta.env.VITE_PINBOX_TOKEN);\n  document.head.appendChild(s);\n}"
+               % src)
     return {"tag": tag, "bookmarklet": "javascript:(function(){%s})()" % loader, "snippet": snippet,
+            "envFile": ".env.local", "envLine": "VITE_PINBOX_TOKEN=%s" % token,
             "overview": "http://127.0.0.1:%d/#token=%s" % (port, token), "hub": "http://127.0.0.1:%d" % port}
 
 
@@ -6948,12 +6970,15 @@ def cmd_toolbar(ctx):
                       "for it with `pinbox toolbar --json`")
     hub = hub_for(ctx.root)
     ways = toolbar_ways(hub["port"], hub["token"])
+    ignored = git_output(["check-ignore", "-q", ways["envFile"]], ctx.root) is not None
     facts = ("Tag (paste into your page's HTML):\n  %s\n\nBookmarklet (save as a bookmark's URL; click it on a "
-             "page of your app):\n  %s\n\nDev-only snippet (your app's entry module):\n%s\n\n"
-             "See pins, sessions and deliveries: %s" % (ways["tag"], ways["bookmarklet"],
-                                                        "\n".join("  " + line for line in ways["snippet"].split("\n")),
-                                                        ways["overview"]))
-    ctx.out.result(ways, facts)
+             "page of your app):\n  %s\n\nDev-only snippet (your app's entry module; it holds no secret):\n%s\n"
+             "and this line in %s, %s:\n  %s\n\n"
+             "See pins, sessions and deliveries: %s" % (
+                 ways["tag"], ways["bookmarklet"], "\n".join("  " + line for line in ways["snippet"].split("\n")),
+                 ways["envFile"], "which git ignores here" if ignored else
+                 "which git would track here: add it to .gitignore first", ways["envLine"], ways["overview"]))
+    ctx.out.result(dict(ways, envFileIgnored=ignored), facts)
 
 
 def cmd_pin(ctx):
@@ -7036,8 +7061,13 @@ def render_show(pin, thread, now=None):
     git = [part for part in (env.get("branch"), (env.get("commit") or "")[:7]) if part]
     if git:
         facts.append(("git", " @ ".join(git)))
-    if (pin.get("author") or {}).get("userId"):
-        facts.append(("author", pin["author"]["userId"]))
+    author = person_name(pin.get("author"))
+    if author:
+        facts.append(("author", author))
+    for attachment in pin.get("attachments") or ():
+        if isinstance(attachment, dict) and attachment.get("path"):
+            facts.append(("attached", "%s (%s)" % (attachment["path"], "picture" if picture_type(attachment["path"])
+                                                  else "file")))
     if pin.get("agentSession"):
         facts.append(("agent", "%s session %s" % (pin["agentSession"].get("agent"), pin["agentSession"].get("key"))))
     facts.append(("created", "%s (%s)" % (pin.get("createdAt"), relative_age(pin.get("createdAt"), now))))
@@ -7065,6 +7095,25 @@ def render_show(pin, thread, now=None):
     return "\n".join(lines)
 
 
+def person_name(author):
+    """How a person is shown: their name (and email), else whatever id they came with."""
+    author = author if isinstance(author, dict) else {}
+    if author.get("name"):
+        return author["name"] + (" <%s>" % author["email"] if author.get("email") else "")
+    return author.get("email") or author.get("userId")
+
+
+def delivery_state(row, pin):
+    """A ledger row in words: a row still pending for a pin resolved since will never be
+    needed, and says so; one no session has is waiting for one."""
+    if row["status"] == "pending" and pin.get("status") == "resolved":
+        return "not needed: the pin is resolved"
+    if row["status"] == "pending" and not row.get("session"):
+        return "waiting for an agent session's next prompt"
+    return row["status"] + (", %d attempt(s)" % row["attempts"] if row["attempts"] else "") + (
+        " — " + row["lastError"] if row.get("lastError") else "")
+
+
 def cmd_show(ctx):
     pin = get_pin(ctx.reader, ctx.args.id)
     thread = get_thread(ctx.reader, pin["id"])
@@ -7073,10 +7122,7 @@ def cmd_show(ctx):
     shown = [d for d in deliveries if d["status"] != "skipped"]  # events that were never for agents
     if shown:
         facts += "\n\n" + pad_columns([["delivery", d["event"], d.get("session") or "(no session yet)",
-                                          d["adapter"], d["status"] + (", %d attempt(s)" % d["attempts"] if d["attempts"]
-                                                                       else "") + (" — " + d["lastError"]
-                                                                                   if d.get("lastError") else "")]
-                                         for d in shown])
+                                          d["adapter"], delivery_state(d, pin)] for d in shown])
     ctx.out.result({"pin": pin, "thread": thread, "deliveries": deliveries}, facts)
 
 
@@ -7197,8 +7243,9 @@ def wired_agents(root):
 def probe_agents(ctx):
     """Whether each wired agent will really run pinbox: `init` would change nothing."""
     wired = wired_agents(ctx.root)
-    if not wired:
-        return "no agent wired here yet — `pinbox init --agent claude` (or codex, hermes, cursor, vscode, …)"
+    if not wired:  # pins would wait for ever: a problem, with its fix
+        raise RuntimeError("no agent wired here, so no agent will get the pins — fix: `pinbox init --agent claude` "
+                           "(or codex, hermes, gemini, cursor, vscode, …)")
     problems = []
     for agent in wired:
         for plan in AGENT_INSTALLERS[agent](ctx.root, trust=True):
@@ -7300,6 +7347,31 @@ def sync_facts(status):
         lines.append(("set aside", "%d event(s) that failed their checks; the last, %s from %s: %s" % (
             status["setAside"], last.get("event") or "a batch", last["ref"], last["reason"])))
     return pad_columns([list(line) for line in lines])
+
+
+def cmd_stop(ctx):
+    """Ends this project's hub, or with --all every hub of this user on this machine, and
+    returns once each is gone."""
+    import signal
+    if ctx.args.all:
+        base = os.path.dirname(state_dir(ctx.root))
+        paths = [os.path.join(base, name, "hub.json") for name in sorted(os.listdir(base))] \
+            if os.path.isdir(base) else []
+    else:
+        paths = [hub_files(ctx.root)[1]]
+    stopped = []
+    for path in paths:
+        data = read_hub_json(path)
+        if data and pid_alive(data["pid"]) and " serve" in (command_output(["ps", "-o", "args=", "-p",
+                                                                             str(data["pid"])]) or ""):
+            os.kill(data["pid"], signal.SIGTERM)
+            stopped.append({"pid": data["pid"], "port": data["port"], "project": data.get("project")})
+    deadline = time.monotonic() + 15
+    while any(pid_alive(s["pid"]) for s in stopped) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    facts = "\n".join("stopped the hub of %s (port %d)" % (s["project"] or "a project", s["port"]) for s in stopped)
+    ctx.out.result({"stopped": stopped}, facts or None,
+                   None if stopped else "no hub runs%s" % ("" if ctx.args.all else " for %s" % ctx.root))
 
 
 def cmd_doctor(ctx):
@@ -7539,8 +7611,7 @@ HOOK_VERBS = {"register": cmd_session_register, "inject": cmd_session_inject, "p
 
 # One order for the verbs: this table, the parser, the help and the cmd_* functions.
 VERBS = ("init", "open", "toolbar", "pin", "summary", "list", "show", "reply", "resolve", "reopen", "export",
-         "sync", "doctor", "mcp", "install", "serve", "session", "agent")
-HIDDEN_VERBS = ("serve", "session", "agent")
+         "sync", "doctor", "mcp", "install", "serve", "stop", "session", "agent")
 
 TOP_HELP = """Usage: pinbox [options] <command> [args]
 
@@ -7575,8 +7646,7 @@ def build_parser():
 
     def verb(name, summary, usage_args=""):
         sub = verbs.add_parser(name, parents=[common], help=summary, description=summary, allow_abbrev=False)
-        if name not in HIDDEN_VERBS:
-            summaries.append(("%s %s" % (name, usage_args)).strip().ljust(29) + summary)
+        summaries.append(("%s %s" % (name, usage_args)).strip().ljust(29) + summary)
         return sub
 
     def speaker(p):
@@ -7658,13 +7728,17 @@ def build_parser():
     p.add_argument("--uninstall", action="store_true", help="remove it again")
     p.set_defaults(run=cmd_install)
 
-    p = verb("serve", "run the hub in the foreground (HTTP API, page toolbar, live updates)")
+    p = verb("serve", "run the hub in the foreground (HTTP API, page toolbar, live updates)", "[options]")
     p.add_argument("--project", metavar="dir", help="project to serve (default: this one)")
     p.add_argument("--port", type=int, help="port to bind on 127.0.0.1 (default: the last one, else any free)")
     p.add_argument("--inbox-ephemeral", action="store_true", help="empty every agent inbox at start")
     p.set_defaults(run=cmd_serve)
 
-    session = verb("session", "plumbing for agent and git hooks")
+    p = verb("stop", "stop this project's hub (--all: every hub of yours)", "[options]")
+    p.add_argument("--all", action="store_true", help="every project's hub that you run on this machine")
+    p.set_defaults(run=cmd_stop)
+
+    session = verb("session", "plumbing for agent and git hooks", "<verb>")
     session_verbs = session.add_subparsers(dest="session_verb", parser_class=Parser)
 
     def session_verb(name, summary):
@@ -7742,7 +7816,9 @@ def _parser_message(message):
         return ("unknown option '%s'" % token) if token.startswith("-") else ("unexpected argument '%s'" % token)
     m = re.match(r"argument (?:verb|command|\{.*\}): invalid choice: '([^']*)'", message)
     if m:
-        return "unknown command '%s'" % m.group(1)
+        import difflib
+        close = difflib.get_close_matches(m.group(1), VERBS, n=1, cutoff=0.6)
+        return "unknown command '%s'%s" % (m.group(1), " — did you mean `pinbox %s`?" % close[0] if close else "")
     m = re.match(r"the following arguments are required: (.+)", message)
     if m:
         return "missing required argument '%s'" % m.group(1).split(",")[0].strip()
@@ -7786,8 +7862,9 @@ def run(argv=None, cwd=None):
     ctx = None
     try:
         parser = build_parser()
-        if not argv:
-            raise invalid("no command given", usage_hint(None))
+        if not argv:  # a person's first try: the help, not an error
+            write_out(parser.top_help)
+            return 0
         check_arguments(argv)
         args = parser.parse_args(argv)
         for name, value in vars(args).items():
@@ -7803,7 +7880,8 @@ def run(argv=None, cwd=None):
         code = args.run(ctx) or 0
         # Every command in a project starts its hub, and returns once it listens; but the
         # hub itself, `install`, `doctor` (it only looks), `mcp` (it started one already) and the commit hook.
-        if args.verb not in ("serve", "install", "doctor", "mcp") and getattr(args, "session_verb", None) != "trailer":
+        if args.verb not in ("serve", "stop", "install", "doctor", "mcp") and \
+                getattr(args, "session_verb", None) != "trailer":
             start_hub_quietly(ctx.root, wait=HUB_START_S)
         return code
     except Exception as exc:

@@ -1542,9 +1542,24 @@ class TestPins(PinboxCase):
         plain = os.path.join(self.tmp, "plain")
         os.makedirs(plain)
         env = dict(self.env, GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_NOSYSTEM="1")
+        self.ok("init", cwd=plain, env=env)  # outside git a project starts only when asked
         pin = self.ok("pin", "outside git", cwd=plain, env=env)
         self.assertEqual(pin["author"], {"userId": "tester"})
         self.assertTrue(os.path.isdir(os.path.join(plain, ".pinbox")))
+
+    def test_outside_any_repository_or_project_a_command_asks_for_init(self):
+        plain = os.path.join(self.tmp, "downloads")
+        os.makedirs(plain)
+        for args in (("pin", "oops, wrong folder"), ("reply", "1", "x"), ("session", "register", "--agent", "claude",
+                                                                            "--key", "k")):
+            error = self.fails("E_NOT_FOUND", 3, *args, cwd=plain)
+            self.assertEqual(error["message"], "no pinbox project here: %s is in no git repository and no project; "
+                                               "one would start in %s" % (plain, plain))
+            self.assertIn("pinbox init", error["hint"])
+        self.assertEqual(os.listdir(plain), [])  # nothing made, no hub started
+        self.assertEqual(self.ok("list", cwd=plain), [])  # reading is fine: an empty project
+        self.ok("init", cwd=plain)
+        self.assertEqual(self.ok("pin", "now it is meant", cwd=plain)["n"], 1)
 
     def test_bad_pin_input_gets_the_original_errors(self):
         os.makedirs(os.path.join(self.repo, "adir"))
@@ -4171,7 +4186,21 @@ class TestHubApi(HubCase):
         block = news[news.index("human reply on pin %s" % here["id"]):]
         self.assertIn("page http://localhost:5173/checkout?step=2 · attached: %s" % shot["path"], block.split("\n")[0])
 
-    def test_a_file_is_named_a_picture_only_when_its_bytes_are_one(self):
+    def test_show_names_the_person_the_files_and_where_each_delivery_stands(self):
+        code, data, _ = self.request("POST", "/attachments?kind=screenshot", raw=PNG_1PX,
+                                     headers={"Content-Type": "image/png"})
+        shot = data["data"]["attachment"]
+        pin = self.post_pin("from the page", author={"userId": "c_8bdaeaa9d7f76402"}, attachments=[shot])
+        self.assertEqual(pin["author"], {"userId": "c_8bdaeaa9d7f76402", "name": "Pat Tester",
+                                         "email": "pat@example.com"})  # the hub's person: git's
+        self.ok("session", "register", "--agent", "claude", "--key", "k-show")
+        self.ok("resolve", pin["id"])
+        out = self.human("show", pin["id"]).out
+        self.assertIn("author    Pat Tester <pat@example.com>\n", out)
+        self.assertIn("attached  %s (picture)\n" % shot["path"], out)
+        self.assertRegex(out, r"delivery  pin.created  ses_[a-z0-9]{10}  hooks +not needed: the pin is resolved")
+
+
         uploads = {}
         for name, body, declared in (("png", PNG_1PX, "image/png"), ("fake", b"<html><script>alert(1)</script>",
                                                                       "image/png"),
@@ -5994,10 +6023,17 @@ class TestPageProxy(HubCase):
         self.assertTrue(data["bookmarklet"].startswith("javascript:(function(){"), data["bookmarklet"])
         self.assertIn(src, data["bookmarklet"])
         self.assertIn("import.meta.env.DEV", data["snippet"])
-        self.assertIn(self.token, data["snippet"])
+        self.assertNotIn(self.token, data["snippet"])  # app source is committed: the token is not in it
+        self.assertEqual((data["envFile"], data["envLine"], data["envFileIgnored"]),
+                         (".env.local", "VITE_PINBOX_TOKEN=" + self.token, False))
         r = self.human("toolbar")
         self.assertIn("Bookmarklet", r.out)
         self.assertIn(data["bookmarklet"], r.out)
+        self.assertIn("and this line in .env.local, which git would track here: add it to .gitignore first:\n"
+                      "  VITE_PINBOX_TOKEN=%s\n" % self.token, r.out)
+        with open(os.path.join(self.repo, ".gitignore"), "a") as handle:
+            handle.write("*.local\n")
+        self.assertIn("and this line in .env.local, which git ignores here:", self.human("toolbar").out)
         for verb in ("toolbar", "open"):  # into a pipe (a log) without --json: no token
             piped = self.run_pinbox(verb)
             self.assertEqual(piped.code, 2, piped)
@@ -6115,13 +6151,37 @@ class TestPageProxyInChromium(HubCase):
 class TestHubLifecycle(HubCase):
     IDLE_MS = "1500"
 
+    def test_stop_ends_this_projects_hub_and_all_ends_every_hub_of_yours(self):
+        other = os.path.join(self.tmp, "other")
+        git(self.tmp, "init", "-q", other)
+        second = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=other, env=dict(self.env, PINBOX_IDLE_MS="60000"),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.addCleanup(self.stop_hub, second)
+        self.wait_hub_json(lambda data: True)  # (this project's)
+        deadline = time.monotonic() + 20  # hang guard
+        while not os.path.exists(os.path.join(other, ".pinbox", "server.json")):
+            self.assertLess(time.monotonic(), deadline, "the second hub did not start")
+            time.sleep(0.05)
+        stopped = self.ok("stop")["stopped"]
+        self.assertEqual([(s["pid"], s["project"]) for s in stopped], [(self.proc.pid, self.repo)])
+        self.assertEqual(self.proc.wait(timeout=10), 0)
+        self.assertIsNone(second.poll())  # another project's hub is left alone
+        r = self.human("stop")
+        self.assertEqual((r.code, r.out, r.err), (0, "", "no hub runs for %s\n" % self.repo))
+        with unittest.mock.patch.dict(os.environ, {"XDG_STATE_HOME": self.env["XDG_STATE_HOME"]}):
+            self.assertFalse(os.path.exists(pinbox.hub_files(self.repo)[1]))  # it cleaned up as it ended
+            port = pinbox.read_hub_json(pinbox.hub_files(other)[1])["port"]
+        r = self.human("stop", "--all")
+        self.assertEqual((r.code, r.out), (0, "stopped the hub of %s (port %d)\n" % (other, port)))
+        self.assertEqual(second.wait(timeout=10), 0)
+
     def test_state_files_and_a_clean_sigterm(self):
         with open(os.path.join(self.repo, ".pinbox", "server.json")) as handle:
             self.assertEqual(json.load(handle), {"port": self.port})
         self.assertEqual(os.stat(os.path.join(self.state, "hub.json")).st_mode & 0o777, 0o600)
         self.assertEqual(os.stat(os.path.join(self.state, "token")).st_mode & 0o777, 0o600)
         self.assertEqual(os.stat(self.state).st_mode & 0o777, 0o700)
-        self.assertEqual(set(self.hub), {"pid", "port", "token", "localToken", "version"})
+        self.assertEqual(set(self.hub), {"pid", "port", "token", "localToken", "project", "version"})
         self.proc.send_signal(signal.SIGTERM)
         self.assertEqual(self.proc.wait(timeout=10), 0)
         self.assertFalse(os.path.exists(os.path.join(self.state, "hub.json")))
@@ -7867,10 +7927,11 @@ class TestHumanOutput(PinboxCase):
                                 "target    #save\n"
                                 "url       http://localhost:3000/\n"
                                 "git       main @ %s\n"
-                                "author    pat@example.com\n"
+                                "author    Pat Tester <pat@example.com>\n"  # a person, by name
                                 "created   %s (just now)\n"
-                                "\n"  # beyond the original: where the pin's events went
-                                "delivery  pin.created  (no session yet)  none  pending\n" % (pin_id, head[:7], created))
+                                "\n"  # beyond the original: where the pin's events went, in words
+                                "delivery  pin.created  (no session yet)  none  waiting for an agent session's next "
+                                "prompt\n" % (pin_id, head[:7], created))
         self.assertNotIn("undefined", r.out)
 
         r = self.human("reply", pin_id, "hi", "--as", "agent")
@@ -7903,11 +7964,14 @@ class TestHumanOutput(PinboxCase):
                                               "run `pinbox list` to see valid ids (full ids, or numbers such as 3 or #3 — prefixes don't match)\n"))
         r = self.human("frobnicate")
         self.assertEqual((r.code, r.err), (2, "pinbox: unknown command 'frobnicate'\nrun `pinbox --help` for usage\n"))
+        r = self.human("shwo", "1")  # a slip of the fingers gets the verb it was near
+        self.assertEqual((r.code, r.err), (2, "pinbox: unknown command 'shwo' — did you mean `pinbox show`?\n"
+                                              "run `pinbox --help` for usage\n"))
         r = self.human("pin", "")
         self.assertEqual((r.code, r.err), (2, 'pinbox: pin text must not be empty\nquote the text: pinbox pin "your text"\n'))
-        r = self.human()
-        self.assertEqual(r.code, 2)
-        self.assertIn("run `pinbox --help` for usage", r.err)
+        r = self.human()  # bare `pinbox`: the help, as a person's first try
+        self.assertEqual((r.code, r.err), (0, ""))
+        self.assertTrue(r.out.startswith("Usage: pinbox [options] <command> [args]"), r.out)
 
     def test_reopen_renders(self):
         pin = self.pin()
@@ -8123,8 +8187,11 @@ class TestCommandLine(PinboxCase):
             self.assertEqual(r.code, 0, r)
             self.assertIn("usage: pinbox " + verb, r.out)
             self.assertIn("--json", r.out)
-        self.assertNotIn("  session", top.out)
-        self.assertNotIn("  serve", top.out)
+        # Every verb, in one layout: the name and its arguments in one column, what it does in the next.
+        listed = re.findall(r"^  ([a-z]+)[^\n]*$", top.out.split("Commands:\n")[1].split("\n\n")[0], re.M)
+        self.assertEqual(listed, list(pinbox.VERBS))
+        for line in top.out.split("Commands:\n")[1].split("\n\n")[0].splitlines():
+            self.assertRegex(line, r"^  \S.{27} \S")
         self.assertEqual(self.run_pinbox("--version").out, pinbox.VERSION + "\n")
         self.assertEqual(self.run_pinbox("-V").out, pinbox.VERSION + "\n")
 
@@ -8223,15 +8290,19 @@ class TestCommandLine(PinboxCase):
                          before)  # it reads; it leaves nothing behind
 
     def test_doctor_reports_the_store_and_state_dir(self):
-        data = self.ok("doctor")
+        data = self.run_pinbox("doctor").json["data"]
         names = [c["name"] for c in data["checks"]]
         self.assertEqual(names[:4], ["sqlite", "fts5", "state-dir", "db-writable"])
-        self.assertTrue(all(c["ok"] for c in data["checks"]), data)
+        self.assertTrue(all(c["ok"] for c in data["checks"] if c["name"] != "agents"), data)
+        agents = [c for c in data["checks"] if c["name"] == "agents"][0]  # pins would wait for ever
+        self.assertEqual((agents["ok"], agents["detail"]), (False, "no agent wired here, so no agent will get the "
+                                                                   "pins — fix: `pinbox init --agent claude` (or codex, "
+                                                                   "hermes, gemini, cursor, vscode, …)"))
         state = [c for c in data["checks"] if c["name"] == "state-dir"][0]
         self.assertIn("mode 0700", state["detail"])
         self.assertFalse(os.path.exists(os.path.join(self.repo, ".pinbox")))  # doctor only reads
         self.pin()
-        db = [c for c in self.ok("doctor")["checks"] if c["name"] == "db-writable"][0]
+        db = [c for c in self.run_pinbox("doctor").json["data"]["checks"] if c["name"] == "db-writable"][0]
         self.assertEqual(db, {"name": "db-writable", "ok": True, "detail": ".pinbox/pinbox.db opens for writing"})
         self.assertEqual(self.sql("SELECT COUNT(*) FROM pins")[0][0], 1)  # and leaves no pin behind
         os.chmod(self.env["XDG_STATE_HOME"], 0o755)
