@@ -7450,6 +7450,8 @@ def cmd_session_register(ctx):
 
 
 def cmd_session_inject(ctx):
+    if ctx.args.raw and not (ctx.args.hook or ctx.args.agent or ctx.args.key):
+        return preview_context(ctx)
     agent, key, cwd = session_ref_args(ctx)
     store = session_store(ctx)
     if store is None:
@@ -7468,6 +7470,19 @@ def cmd_session_inject(ctx):
         return 0
     ctx.out.result({"session": session["id"], "context": context, "pins": pins, "delivered": delivered},
                    context if has_news else None, "%d open pin(s), %d delivered" % (total, delivered))
+
+
+def preview_context(ctx):
+    """`session inject --raw` alone: what an agent's next prompt would carry, read only —
+    no session registered, nothing claimed or marked delivered."""
+    with ctx.reader.guard():
+        conn = ctx.reader.conn
+        pins = open_pins(conn, HOOK_CAP) if ctx.reader.exists else []
+        total = count_open_pins(conn) if len(pins) == HOOK_CAP else len(pins)
+        context = injection_context(pins, Arrivals(conn, []), total=total)
+    if pins:
+        write_out(context + "\n")
+    return 0
 
 
 def cmd_session_pending(ctx):
