@@ -9248,7 +9248,8 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   function where(pin) {
     const t = pin.target || {};
     const extra = (t.targets || []).map((x) => x.selector || x.tag).filter(Boolean);
-    return (t.selector || t.url || '') + (extra.length ? ' (+' + extra.join(', ') + ')' : '');
+    const file = t.source && t.source.file ? t.source.file + (t.source.line ? ':' + t.source.line : '') : '';
+    return (t.selector || file || t.url || '') + (extra.length ? ' (+' + extra.join(', ') + ')' : '');
   }
 
   // Pin text, status and its buttons (Resolve; Accept and Reopen once resolved): redrawn
@@ -9399,9 +9400,17 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     const keys = Array.from(groups.keys()).sort((a, b) => (a === '' ? -1 : b === '' ? 1 : a < b ? -1 : 1));
     fill(ui.drawerList, shown.length ? keys.map((key) => h('section', { class: 'group', 'data-pinbox': 'group', 'data-page': key || location.origin + location.pathname },
       h('div', { class: 'group-head' }, (key === '' ? 'This page' : key) + ' (' + groups.get(key).length + ')'),
-      groups.get(key).map(drawerItem))) : h('div', { class: 'empty' }, query ? 'No pin matches.' : 'No ' + state.drawerTab + ' pins.'));
+      groups.get(key).map(safeItem))) : h('div', { class: 'empty' }, query ? 'No pin matches.' : 'No ' + state.drawerTab + ' pins.'));
     const again = focused && ui.drawer.querySelector(focused);
     if (again) again.focus();
+  }
+
+  // One pin that cannot be drawn (a shape this toolbar does not know) never hides the others.
+  function safeItem(pin) {
+    try { return drawerItem(pin); } catch (err) {
+      return h('div', { class: 'item', 'data-pinbox': 'drawer-pin', 'data-pin-id': pin.id },
+        h('span', { class: 'n' }, '#' + (pin.n || '?')), h('div', { class: 'item-text' }, String(pin.text || pin.id)));
+    }
   }
 
   function drawerItem(pin) {

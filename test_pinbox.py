@@ -8886,6 +8886,37 @@ class TestToolbarInChromium(HubCase):
         self.assertNotIn("Old resolved thing", copied)
         self.assertNotIn(self.token, copied)
 
+    def test_every_pin_shape_shows_in_the_drawer(self):
+        """A pin made from the terminal has no page: once, the list said "Open (3)" and
+        showed nothing, with an error toast."""
+        self.pin("made in the terminal, no page")
+        self.pin("pinned to a file", "--file", "README.md")
+        self.api("POST", "/pins", {"text": "three things at once", "author": {"userId": "u"}, "target": {
+            "url": self.url, "selector": "h1", "targets": [{"selector": "#save"}, {"tag": "p"}]}}, 201)
+        self.api("POST", "/pins", {"text": "long " * 3000, "author": {"userId": "u"}, "target": {
+            "url": self.site + "/elsewhere", "selector": "main"}}, 201)
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        try:  # as sync writes one from another machine, with a target this toolbar does not know
+            pinbox.create_pin(store, {"text": "from another machine", "target": {"selector": 5, "targets": "x"},
+                                      "machine": {"device": "dev_0000000000", "host": "h", "author": "Ann"}})
+        finally:
+            store.close()
+        b = self.browser
+        b.open(self.url)
+        b.wait_for(self.in_shadow("!!root.querySelector('[data-pinbox=\"toggle\"]')"), 10)
+        b.key("i")
+        b.wait_for(self.in_shadow("root.querySelectorAll('[data-pinbox=\"drawer-pin\"]').length === 5"))
+        self.assertEqual(b.evaluate(self.in_shadow("root.querySelector('[data-pinbox=\"tab-open\"]').textContent")),
+                         "Open (5)")
+        texts = b.evaluate(self.in_shadow("Array.from(root.querySelectorAll('[data-pinbox=\"drawer-pin\"]'))"
+                                          ".map(p => p.textContent).join('\\n')"))
+        for text in ("made in the terminal", "pinned to a fileREADME.md", "three things at once", "long long",
+                     "from another"):
+            self.assertIn(text, texts)
+        self.assertEqual(b.evaluate(self.in_shadow("Array.from(root.querySelectorAll('.toast')).map(t => "
+                                                   "t.textContent).join()")), "")
+        self.artifact("drawer-every-shape.png")
+
     def test_a_pin_whose_page_is_no_web_address_never_becomes_a_link(self):
         """A pin kept from before addresses were checked (an older store, a teammate's
         sync) names a javascript: page: the drawer shows it, links nowhere, and its copy
