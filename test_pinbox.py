@@ -1211,7 +1211,8 @@ class TestStore(PinboxCase):
         def run(*args):
             done = subprocess.run([sys.executable, "-c", wrapper] + list(args), cwd=self.repo, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            self.assertEqual(done.returncode, 0, done.stderr)
+            # (doctor exits 1 here for a finding of its own: no agent is wired in this project)
+            self.assertEqual(done.returncode, 1 if args == ("doctor",) else 0, done.stderr)
             return json.loads(done.stdout)["data"]
 
         a = run("pin", "The Avatar image is blurry")
