@@ -3551,6 +3551,8 @@ def r_create_pin(hub, request):
     fields = validate(request.json(), PIN_INPUT)
     if not fields["text"].strip():
         raise invalid("text: must not be empty")
+    if "target" in fields:
+        fields["target"] = hub.app_target(fields["target"])
     if "agentSession" in fields and not request.local:  # it would choose whom the hub wakes
         raise PinboxError("E_FORBIDDEN", "a page cannot bind a pin to an agent session",
                           "drop agentSession: the hub routes a page's pin to the session working here")
@@ -3880,6 +3882,42 @@ class Hub:
                 ports[origin_of(*upstream)] = server.server_address[1]
                 write_file(proxy_ports_path(self.root), dumps_compact(ports) + "\n", private=True)
         return server.server_address[1]
+
+    def app_origin(self, url):
+        """The app a page proxy of this project serves, for an address on that proxy
+        (else None): pins name the app, never the proxy's port."""
+        from urllib.parse import urlsplit
+        try:
+            parts = urlsplit(url)
+            port = parts.port
+        except ValueError:
+            return None
+        if parts.scheme != "http" or parts.hostname not in ("localhost", "127.0.0.1", "::1"):
+            return None
+        return next((origin for origin, kept in proxy_ports(self.root).items() if kept == port), None)
+
+    def app_target(self, target):
+        """A pin's target with its page named by the app's address, when it was made
+        through a page proxy."""
+        url = target.get("url")
+        app = self.app_origin(url) if isinstance(url, str) else None
+        if app is None:
+            return target
+        address = url.split("://", 1)[1]
+        rest = address[len(address.split("/")[0].split("?")[0].split("#")[0]):]
+        return dict(target, url=app + (rest if rest.startswith("/") else "/" + rest))
+
+    def rename_proxied_pins(self):
+        """Pins stored with a page proxy's address (before pins named their app) get the
+        app's, once: as they are shown, copied, synced and given to agents."""
+        with self.store() as store, store.write() as conn:
+            for pin_id, raw in conn.execute("SELECT id, json FROM pins WHERE json_extract(json, '$.target.url') "
+                                            "LIKE 'http://localhost:%' OR json_extract(json, '$.target.url') LIKE "
+                                            "'http://127.0.0.1:%'").fetchall():
+                pin = json_loads(raw)
+                target = self.app_target(pin["target"])
+                if target is not pin["target"]:
+                    _save_pin(conn, dict(pin, target=target))
 
     def restore_proxies(self):
         """The page proxies of earlier hubs, on their ports again: a tab left open on one,
@@ -4552,6 +4590,10 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
         # Before hub.json exists: a signal sent as soon as it appears must still clean up.
         handle_stop_signals(hub, server)
         hub.restore_proxies()
+        try:
+            hub.rename_proxied_pins()
+        except PinboxError:
+            pass  # the store is busy now: the next hub renames them
         write_file(port_path, "%d\n" % bound, private=True)
         write_file(hub_json, json.dumps({"pid": os.getpid(), "port": bound, "token": hub.token,
                                          "localToken": hub.local_token, "project": root, "version": VERSION},
@@ -4751,12 +4793,14 @@ def amend_csp(policy, origin):
     return "; ".join(" ".join(d) for d in directives), nonce
 
 
-def toolbar_tag(hub_origin, token, nonce=None):
-    return ('<script src="%s/toolbar.js" data-token="%s"%s></script>'
-            % (hub_origin, token, ' nonce="%s"' % nonce if nonce else ""))
+def toolbar_tag(hub_origin, token, nonce=None, app=None):
+    """The toolbar's script tag; behind a page proxy it names the app (`data-app`), so
+    the page's pins carry the app's own address, not the proxy's."""
+    return ('<script src="%s/toolbar.js" data-token="%s"%s%s></script>'
+            % (hub_origin, token, ' data-app="%s"' % app if app else "", ' nonce="%s"' % nonce if nonce else ""))
 
 
-def inject_toolbar(html, hub_origin, token, header_nonce=None):
+def inject_toolbar(html, hub_origin, token, header_nonce=None, app=None):
     """An HTML page (bytes) with the toolbar's tag before </body> (else </head>, else at
     the end), and each <meta> Content-Security-Policy amended to allow the hub."""
     import re
@@ -4773,7 +4817,7 @@ def inject_toolbar(html, hub_origin, token, header_nonce=None):
 
     html = re.sub(rb"""(?is)(<meta\b[^>]*?http-equiv\s*=\s*["']?content-security-policy["']?[^>]*?"""
                   rb"""\bcontent\s*=\s*(["']))(.*?)(\2)""", meta, html)
-    tag = toolbar_tag(hub_origin, token, nonces[0] if nonces else None).encode("utf-8")
+    tag = toolbar_tag(hub_origin, token, nonces[0] if nonces else None, app).encode("utf-8")
     # A "</body>" inside a script or a comment is the page's text, not its end.
     quoted = [m.span() for m in re.finditer(rb"(?is)<script\b.*?(</script\s*>|\Z)|<!--.*?(-->|\Z)", html)]
     for closing in (rb"(?i)</body\s*>", rb"(?i)</head\s*>"):
@@ -5073,7 +5117,7 @@ class ProxyHandler(ReadsWithDeadline):
                 value, nonce = amend_csp(value, hub_origin)
                 csp_nonce = csp_nonce or nonce
             kept.append((name, value))
-        page = inject_toolbar(page, hub_origin, hub.token, csp_nonce)
+        page = inject_toolbar(page, hub_origin, hub.token, csp_nonce, self.server.upstream_origin)
         self.send_whole(answer, kept + [("Content-Length", str(len(page)))], page)
 
     def send_whole(self, answer, headers, body):
@@ -6991,7 +7035,7 @@ def cmd_pin(ctx):
         raise invalid("--selector needs --url (a selector without a page is not a target)", usage_hint("pin"))
     target = {}
     if args.url is not None:
-        target["url"] = check_url(args.url, "--url", usage_hint("pin"))
+        target["url"] = check_url(app_address(ctx.root, args.url), "--url", usage_hint("pin"))
     if args.selector is not None:
         target["selector"] = args.selector
     if args.file is not None:
@@ -7010,6 +7054,20 @@ def cmd_pin(ctx):
     else:
         note = "pinned"
     ctx.out.result(pin, pin["id"], note)
+
+
+def app_address(root, url):
+    """`--url /cart` is that path on the project's app (the one `pinbox open` serves);
+    any other address stays as it is."""
+    if not url.startswith("/") or url.startswith("//"):
+        return url
+    apps = sorted(proxy_ports(root))
+    if len(apps) != 1:
+        raise invalid("--url %s names a path, and this project has %s app" % (url, "no" if not apps else "more than one"),
+                      "give the whole address (--url http://localhost:5173%s)%s" % (
+                          url, ", or open the app first: pinbox open <url>" if not apps else
+                          "; its apps: " + ", ".join(apps)))
+    return apps[0] + url
 
 
 def cmd_summary(ctx):
@@ -8019,6 +8077,10 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   if (!script) return;
   const ENDPOINT = new URL(script.src, location.href).origin;
   const TOKEN = script.getAttribute('data-token') || '';
+  // Behind `pinbox open` the page is served at the proxy's address: pins name the app's
+  // own (data-app), and a pin made with either address is this page's.
+  const APP = /^https?:[/][/][^/]+$/.test(script.getAttribute('data-app') || '') ? script.getAttribute('data-app') : '';
+  const appUrl = (href) => (APP && href.indexOf(location.origin) === 0 ? APP + href.slice(location.origin.length) : href);
   const ATTACHMENT_LIMIT = @ATTACHMENT_LIMIT@;  // the hub's cap on one file, filled in below
   const CAPTURE_WAIT_MS = 3000;  // a picture not drawn by then does not hold the pin back
   const EVENT_TYPES = ['pin.created', 'pin.resolved', 'pin.verified', 'thread.message'];
@@ -8493,7 +8555,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   function describe(el) {
     const r = el.getBoundingClientRect();
     return {
-      url: location.href,
+      url: appUrl(location.href),
       selector: selectorFor(el),
       tag: el.tagName.toLowerCase(),
       rect: { x: round(r.left + scrollX), y: round(r.top + scrollY), width: round(r.width), height: round(r.height) },
@@ -8977,7 +9039,8 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   function samePage(url) {
     try {
       const u = new URL(url, location.href);
-      return u.origin === location.origin && u.pathname === location.pathname && route(u) === route(location);
+      return (u.origin === location.origin || (APP && u.origin === APP)) && u.pathname === location.pathname &&
+        route(u) === route(location);
     } catch (err) { return false; }
   }
   const onThisPage = (pin) => samePage(pin.target && pin.target.url);
@@ -9432,7 +9495,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       ? h('button', { type: 'button', class: 'item-open', 'data-pinbox': 'drawer-pin', 'data-pin-id': pin.id,
         onclick: () => { closeDrawer(); flash(pin); openThread(pin.id); } }, body)
       : webUrl(pin.target && pin.target.url)
-        ? h('a', { class: 'item-open', 'data-pinbox': 'drawer-pin', 'data-pin-id': pin.id, href: webUrl(pin.target.url) }, body)
+        ? h('a', { class: 'item-open', 'data-pinbox': 'drawer-pin', 'data-pin-id': pin.id, href: pageHref(webUrl(pin.target.url)) }, body)
         : h('div', { class: 'item-open', 'data-pinbox': 'drawer-pin', 'data-pin-id': pin.id }, body);
     return h('div', { class: 'item' }, open,
       h('button', { type: 'button', class: 'small', 'data-pinbox': 'copy-pin', 'data-pin-id': pin.id, 'aria-label': 'Copy pin ' + pin.n + ' as Markdown',
@@ -9444,6 +9507,9 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   function webUrl(url) {
     try { const u = new URL(url); return /^https?:$/.test(u.protocol) ? u.href : null; } catch (err) { return null; }
   }
+
+  // An app page's link, through the proxy this page came from (so it has the toolbar too).
+  const pageHref = (url) => (APP && url.indexOf(APP + '/') === 0 ? location.origin + url.slice(APP.length) : url);
 
   // A pin as Markdown a person can paste into any chat (file paths, never the token).
   function pinMarkdown(pin) {

@@ -5766,8 +5766,8 @@ class TestPageProxy(HubCase):
         self.assertEqual(status, 200)
         self.assertNotIn("content-encoding", headers)
         self.assertEqual(int(headers["content-length"]), len(page))
-        tag = '<script src="http://127.0.0.1:%d/toolbar.js" data-token="%s" nonce="r4nd0m"></script>' % (
-            self.port, self.token)
+        tag = ('<script src="http://127.0.0.1:%d/toolbar.js" data-token="%s" data-app="http://localhost:%d" '
+               'nonce="r4nd0m"></script>' % (self.port, self.token, app))  # the app it serves, named
         self.assertTrue(page.decode().endswith(tag + "</body></html>"), page)
         self.assertEqual(headers["set-cookie"], "sid=abc; Path=/; HttpOnly")
         hub = "http://127.0.0.1:%d" % self.port
@@ -5982,6 +5982,27 @@ class TestPageProxy(HubCase):
         self.start_hub()
         self.assertEqual(self.fetch("GET", "/", port=self.open_app(app))[0], 200)
 
+    def test_pins_through_a_proxy_name_the_app_and_paths_name_the_projects_app(self):
+        app, _ = fake_app(self, {"/": lambda h: send_plain(h, 200, b"<p>app</p>", [("Content-Type", "text/html")])})
+        self.fails("E_INVALID_INPUT", 2, "pin", "x", "--url", "/cart")  # no app known yet: say the whole address
+        proxy = self.open_app(app)
+        for sent, kept in (("http://localhost:%d/cart?step=2#pay" % proxy, "http://localhost:%d/cart?step=2#pay" % app),
+                           ("http://127.0.0.1:%d" % proxy, "http://localhost:%d/" % app),
+                           ("http://localhost:%d/" % app, "http://localhost:%d/" % app),
+                           ("http://localhost:1/other", "http://localhost:1/other")):
+            pin = self.post_pin("through the proxy", target={"url": sent, "selector": "h1"})
+            self.assertEqual(pin["target"]["url"], kept, sent)
+        self.assertEqual(self.ok("pin", "x", "--url", "/cart")["target"]["url"], "http://localhost:%d/cart" % app)
+        # A pin stored with the proxy's address before pins named their app gets the app's.
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        try:
+            old = pinbox.create_pin(store, {"text": "an older pin", "target": {"url": "http://localhost:%d/about" % proxy}})
+        finally:
+            store.close()
+        self.stop_hub(self.proc)
+        self.start_hub()
+        self.assertEqual(self.ok("show", old["id"])["pin"]["target"]["url"], "http://localhost:%d/about" % app)
+
     def test_open_shows_the_address_in_the_persons_browser(self):
         opened = os.path.join(self.tmp, "opened")
         browser = os.path.join(self.tmp, "browser")
@@ -6088,9 +6109,17 @@ class TestPageProxyInChromium(HubCase):
         b.wait_for("document.getElementById('out').textContent === 'EUR 42'")  # the app's own fetch, through
         drop_pin(b, "document.getElementById('title')", "The total is not bold")
         [pin] = self.ok("list")
+        # The page is the app's, not the proxy's: as stored, shown, synced and told to the agent.
         self.assertEqual((pin["text"], pin["target"]["url"], pin["target"]["selector"]),
-                         ("The total is not bold", url, "#title"))
+                         ("The total is not bold", "http://localhost:%d/" % app, "#title"))
         self.assertTrue(all(request[2]["Host"] == "localhost:%d" % app for request in seen))
+        # A pin made in the terminal with the app's address, or with the path alone, is this page's too.
+        self.ok("pin", "Checkout title too small", "--url", "http://localhost:%d/" % app, "--selector", "#title")
+        self.assertEqual(self.ok("pin", "And its colour", "--url", "/", "--selector", "h1")["target"]["url"],
+                         "http://localhost:%d/" % app)
+        b.open(url)
+        b.wait_for("document.getElementById('pinbox-toolbar-host').shadowRoot.querySelectorAll("
+                   "'[data-pinbox=\"marker\"]').length === 3", 10)
 
     def test_a_vite_app_keeps_hot_reloading_through_the_proxy(self):
         vite = os.environ.get("PINBOX_TEST_VITE") or shutil.which("vite")
@@ -6126,7 +6155,7 @@ class TestPageProxyInChromium(HubCase):
         b.open(url)
         b.wait_for("document.getElementById('msg').textContent === 'first version'", 15)
         drop_pin(b, "document.getElementById('msg')", "Say which version this is")
-        self.assertEqual(self.ok("list")[0]["target"]["url"], url)
+        self.assertEqual(self.ok("list")[0]["target"]["url"], "http://127.0.0.1:%d/" % port)  # the app's address
         self.assertEqual(b.evaluate("fetch('/data.json').then(r => r.json())"), {"served": "by vite"})
         b.evaluate("window.__keptAcrossTheUpdate = 42")
         with open(os.path.join(app, "main.js"), "w") as handle:
