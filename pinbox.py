@@ -1606,15 +1606,16 @@ def peek_pending(store, agent, key):
     return list(pins.values())
 
 
-DELIVERY_KEYS = ("id", "eventSeq", "event", "session", "adapter", "status", "attempts", "dueAt", "lastError",
-                 "updatedAt")
-_DELIVERY_SELECT = ("SELECT d.id, e.seq, e.type, d.session_id, d.adapter, d.status, d.attempts, d.due_at, "
-                    "d.last_error, d.updated_at, e.payload FROM deliveries d JOIN events e ON e.seq = d.event_seq ")
+DELIVERY_KEYS = ("id", "eventSeq", "event", "pin", "session", "adapter", "status", "attempts", "dueAt", "lastError",
+                 "updatedAt", "deliveredAt")
+_DELIVERY_SELECT = ("SELECT d.id, e.seq, e.type, d.pin_id, d.session_id, d.adapter, d.status, d.attempts, d.due_at, "
+                    "d.last_error, d.updated_at, d.delivered_at, e.payload FROM deliveries d "
+                    "JOIN events e ON e.seq = d.event_seq ")
 
 
 def delivery_rows(conn, where, args=()):
     """Ledger rows as records, each with the payload of its event (for filtering)."""
-    return [(ordered(dict(zip(DELIVERY_KEYS, row[:10])), DELIVERY_KEYS), json_loads(row[10]))
+    return [(ordered(dict(zip(DELIVERY_KEYS, row[:-1])), DELIVERY_KEYS), json_loads(row[-1]))
             for row in conn.execute(_DELIVERY_SELECT + where, args)]
 
 
@@ -3511,6 +3512,7 @@ def r_summary(hub, request):
     with hub.store() as store:
         data = summary(store)
     data["connectedToolbars"] = hub.toolbars
+    data["project"] = os.path.basename(hub.root.rstrip(os.sep)) or hub.root  # the overview page's title
     return Response(200, data)
 
 
@@ -6969,6 +6971,9 @@ def cmd_open(ctx):
         raise invalid("the demo page's address holds the project token", "run `pinbox open` on a terminal, "
                       "or ask for it with `pinbox open --json`")
     opened = False if args.no_browser else open_browser(url, state_dir(ctx.root))
+    overview = "http://127.0.0.1:%d/#token=%s" % (hub["port"], hub["token"]) if shows_secrets(ctx) else None
+    if overview and args.url:  # (the token only to a terminal or --json, never into a pipe's log)
+        facts += "\nevery pin, session and delivery: %s" % overview
     notes = []
     if new_here:
         notes.append("pinbox: %s is in no git repository, so a new pinbox project starts here; its agents "
@@ -6976,7 +6981,7 @@ def cmd_open(ctx):
     if not (opened or args.no_browser):
         notes.append("open it in your browser (no graphical browser was found here)")
     ctx.out.result({"url": url, "upstream": upstream, "project": ctx.root, "hub": "http://127.0.0.1:%d" % hub["port"],
-                    "browser": opened}, facts, "\n".join(notes) or None)
+                    "overview": overview, "browser": opened}, facts, "\n".join(notes) or None)
 
 
 def toolbar_ways(port, token):
@@ -9417,6 +9422,8 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     ui.drawerList = h('div', { class: 'drawer-list' });
     ui.drawer = h('aside', { class: 'panel drawer', 'data-pinbox': 'drawer', role: 'dialog', 'aria-label': 'All pins' },
       h('div', { class: 'head' }, h('strong', null, 'Pins'), h('span', { class: 'grow' }),
+        h('a', { class: 'small', 'data-pinbox': 'overview', href: ENDPOINT + '/#token=' + encodeURIComponent(TOKEN), target: '_blank',
+          rel: 'noopener', title: 'Every pin, session and delivery of this project' }, 'Overview'),
         h('button', { type: 'button', class: 'small', 'data-pinbox': 'copy-all', onclick: copyAllOpen, title: 'Copy every open pin as Markdown (C)' }, 'Copy open'),
         h('button', { type: 'button', class: 'x', 'aria-label': 'Close the list', onclick: closeDrawer }, TIMES)),
       ui.tabs, ui.search, ui.drawerList);
@@ -9883,36 +9890,117 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
 """.replace("@ATTACHMENT_LIMIT@", str(ATTACHMENT_LIMIT))
 
 PAGE_HTML = r"""<!doctype html>
-<meta charset="utf-8"><title>pinbox</title>
+<html lang="en"><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="data:,"><title>pinbox</title>
 <style>
-body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#1f2430}
-h1{font-size:1.3em}h2{font-size:1.1em;margin-top:2em}
-table{border-collapse:collapse;width:100%}td,th{border-bottom:1px solid #ddd;padding:4px 8px;text-align:left;
-vertical-align:top;overflow-wrap:anywhere}th{background:#f5f5f5}.resolved{color:#2e7d32}.open{color:#8a5300}.failed{color:#c62828}
-.thread{color:#555;font-size:.9em;white-space:pre-wrap}#err{color:#c62828}
+:root{color-scheme:light dark;--fg:#1f2430;--muted:#5b6170;--line:#d9dce3;--bg:#fff;--head:#f3f4f7;--open:#7a4a00;
+--ok:#1b6e24;--bad:#b3261e;--accent:#5b3fd6}
+@media (prefers-color-scheme:dark){:root{--fg:#e8e9ee;--muted:#a9aebb;--line:#3a3f4b;--bg:#16181d;--head:#22252c;
+--open:#f2b45a;--ok:#7fd18a;--bad:#ff8a80;--accent:#b3a4ff}}
+body{font:15px/1.45 system-ui,sans-serif;margin:0 auto;padding:1.2em;max-width:1100px;color:var(--fg);background:var(--bg)}
+h1{font-size:1.35em;margin:.2em 0}h2{font-size:1.1em;margin-top:1.8em}
+.muted,.note{color:var(--muted)}code{font-size:.92em}a{color:var(--accent)}
+.bar{display:flex;flex-wrap:wrap;gap:.5em;align-items:center;margin:.8em 0}
+.bar button{font:inherit;padding:.3em .8em;border:1px solid var(--line);border-radius:1em;background:var(--head);color:var(--fg);cursor:pointer}
+.bar button[aria-pressed="true"]{background:var(--accent);color:#fff;border-color:var(--accent)}
+.bar input{font:inherit;padding:.3em .6em;border:1px solid var(--line);border-radius:.4em;min-width:12em;background:var(--bg);color:var(--fg)}
+table{border-collapse:collapse;width:100%}td,th{border-bottom:1px solid var(--line);padding:6px 8px;text-align:left;
+vertical-align:top;overflow-wrap:anywhere}th{background:var(--head);font-weight:600}
+.resolved .status{color:var(--ok)}.open .status{color:var(--open)}.failed{color:var(--bad)}
+.thread{color:var(--muted);font-size:.92em;white-space:pre-wrap;margin-top:.3em}
+.shot{max-width:160px;max-height:110px;border:1px solid var(--line);border-radius:4px;display:block;margin-top:.3em}
+#err{color:var(--bad)}.empty{padding:1em;color:var(--muted)}td:first-child{white-space:nowrap}
+:focus-visible{outline:2px solid var(--accent);outline-offset:2px}
+@media (max-width:640px){table,thead,tbody,tr,td{display:block}tr:first-child{display:none}
+tr{border-bottom:1px solid var(--line);padding:.4em 0}td{border:0;padding:2px 0}}
 </style>
-<h1>pinbox</h1><p id="err"></p>
+<header><h1 id="title">pinbox</h1><p class="muted" id="where"></p></header>
+<main>
+<p id="err" role="alert"></p>
 <p id="sync"></p>
-<h2>Pins</h2><table id="pins"><tr><th>#</th><th>id</th><th>status</th><th>where</th><th>text and thread</th>
-<th>from, with</th></tr></table>
-<h2>Sessions</h2><table id="sessions"><tr><th>id</th><th>agent</th><th>key</th><th>state</th><th>last seen</th>
-<th>cwd</th></tr></table>
-<h2>Deliveries</h2><table id="deliveries"><tr><th>id</th><th>event</th><th>session</th><th>adapter</th><th>state</th>
-<th>attempts</th><th>last error</th></tr></table>
+<h2 id="pins-head">Pins</h2>
+<div class="bar" role="group" aria-label="Which pins">
+<button type="button" data-filter="open" aria-pressed="true">Open</button>
+<button type="button" data-filter="resolved" aria-pressed="false">Resolved</button>
+<button type="button" data-filter="all" aria-pressed="false">All</button>
+<label>Search <input id="search" type="search" placeholder="text, page or agent"></label>
+</div>
+<table id="pins" aria-labelledby="pins-head"><tr><th>#</th><th>status</th><th>pin and thread</th><th>page</th>
+<th>who has it</th></tr></table>
+<p class="empty" id="pins-empty" hidden></p>
+<h2 id="sessions-head">Agent sessions</h2>
+<table id="sessions" aria-labelledby="sessions-head"><tr><th>agent</th><th>session</th><th>state</th><th>last seen</th>
+<th>folder</th></tr></table>
+<p class="empty" id="sessions-empty" hidden>No agent session yet: an agent's first prompt in this project registers
+one, once its hooks are wired (<code>pinbox init --agent claude</code>).</p>
+<h2 id="deliveries-head">Deliveries</h2>
+<table id="deliveries" aria-labelledby="deliveries-head"><tr><th>what</th><th>pin</th><th>to</th><th>how</th>
+<th>where it stands</th></tr></table>
+<p class="empty" id="deliveries-empty" hidden>Nothing delivered yet.</p>
+</main>
 <script>
 "use strict";
 const token = new URLSearchParams(location.hash.slice(1)).get("token") || "";
+let filter = "open", query = "";
 async function get(path) {
   const r = await fetch(path, {headers: {authorization: "Bearer " + token}});
   const body = await r.json();
-  if (!body.ok) throw new Error(body.error.message + (body.error.hint ? " — " + body.error.hint : ""));
+  if (!body.ok) throw new Error(body.error.message + (body.error.hint ? " (" + body.error.hint + ")" : ""));
   return body.data;
+}
+function el(tag, attrs, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
+  for (const c of children) if (c != null) e.append(c instanceof Node ? c : String(c));
+  return e;
 }
 function row(table, cells, cls) {
   const tr = document.getElementById(table).insertRow();
-  for (const c of cells) { const td = tr.insertCell(); td.textContent = c == null ? "" : String(c); }
+  for (const c of cells) { const td = tr.insertCell(); if (c instanceof Node) td.append(c); else td.textContent = c == null ? "" : String(c); }
   if (cls) tr.className = cls;
   return tr;
+}
+function ago(at) {
+  const t = Date.parse(at);
+  if (!t) return "";
+  const s = Math.max(0, (Date.now() - t) / 1000);
+  return s < 60 ? "just now" : s < 3600 ? Math.round(s / 60) + " min ago" : s < 86400 ? Math.round(s / 3600) + " h ago"
+    : Math.round(s / 86400) + " days ago";
+}
+// Only an http(s) address becomes a link: a pin's address came from a page or a teammate.
+function pageLink(url) {
+  try { const u = new URL(url); if (/^https?:$/.test(u.protocol)) return el("a", {href: u.href}, u.host + u.pathname + u.search + u.hash); }
+  catch (e) { /* not an address */ }
+  return url ? String(url) : "";
+}
+function statusWords(p) {
+  const v = p.verification, r = p.resolution;
+  if (p.status === "open") return v && v.outcome === "reopened" ? "open (reopened: the fix was not right)" : "open";
+  return "resolved" + (r && r.commit ? " by commit " + r.commit.slice(0, 7) : r && r.by ? " by " + (r.by === "agent" ? "the agent" : "a person") : "") +
+    (v && v.outcome === "accepted" ? ", accepted" : "");
+}
+const EVENTS = {"pin.created": "new pin", "thread.message": "reply", "pin.resolved": "resolved", "pin.verified": "verdict",
+                "pin.moved": "moved to another machine"};
+function stateWords(d) {
+  if (d.status === "delivered") return "delivered" + (d.deliveredAt ? " " + ago(d.deliveredAt) : "");
+  if (d.status === "failed") return "failed for good: " + (d.lastError || "no reason given") + ". pinbox doctor says what to do";
+  if (d.status === "skipped") return "not for agents";
+  return (!d.session ? "waiting for an agent session's next prompt" : d.adapter === "hooks" ?
+          "waiting for the session's next prompt" : "waiting to be pushed (" + d.adapter + ")") +
+    (d.attempts ? " (" + d.attempts + " attempt(s); last: " + (d.lastError || "?") + ")" : "");
+}
+// Pictures are fetched with the token and shown from memory: an <img src> cannot send it.
+const pictures = new Map();
+function picture(a, n) {
+  const img = el("img", {class: "shot", alt: "picture attached to pin #" + n});
+  let url = pictures.get(a.url);
+  if (!url) {
+    url = fetch(a.url, {headers: {authorization: "Bearer " + token}}).then(r => r.ok ? r.blob() : null)
+      .then(b => b ? URL.createObjectURL(b) : "");
+    pictures.set(a.url, url);
+  }
+  url.then(u => { if (u) img.src = u; else img.remove(); });
+  return img;
 }
 // A pin's thread is asked for again only when its last message changed (GET /progress
 // says which): a page left open on a big project costs the hub a few requests a round.
@@ -9926,43 +10014,71 @@ function thread(id, last) {
   messages.catch(() => threads.delete(id));
   return messages;
 }
+for (const b of document.querySelectorAll("[data-filter]")) {
+  b.addEventListener("click", () => {
+    filter = b.dataset.filter;
+    for (const o of document.querySelectorAll("[data-filter]")) o.setAttribute("aria-pressed", String(o === b));
+    load();
+  });
+}
+document.getElementById("search").addEventListener("input", e => { query = e.target.value.trim().toLowerCase(); load(); });
+function clear(id) { const t = document.getElementById(id); while (t.rows.length > 1) t.deleteRow(1); }
 async function load() {
   if (!token) {
     document.getElementById("err").textContent = "This page needs the project's token: open it from the address " +
-      "`pinbox serve` or `pinbox toolbar` prints (it ends in #token=...).";
+      "that pinbox serve, pinbox open or pinbox toolbar prints (it ends in #token=...).";
     return;
   }
   try {
-    const [pins, sessions, deliveries, sync, progress] = await Promise.all([get("/pins"), get("/sessions"),
-      get("/deliveries"), get("/sync"), get("/progress")]);
-    document.getElementById("sync").textContent = sync.enabled
-      ? "Syncing with git remote " + sync.remote + " · last sync " + (sync.lastSyncAt || "never") +
+    const [summary, pins, sessions, deliveries, sync, progress] = await Promise.all([get("/summary"), get("/pins"),
+      get("/sessions"), get("/deliveries"), get("/sync"), get("/progress")]);
+    document.title = "pinbox · " + summary.project;
+    document.getElementById("title").textContent = "pinbox · " + summary.project;
+    document.getElementById("where").textContent = summary.open + " open, " + summary.resolved + " resolved · " +
+      summary.sessions + " live agent session(s)";
+    const syncEl = document.getElementById("sync");
+    syncEl.textContent = sync.enabled
+      ? "Syncing with git remote " + sync.remote + " · last sync " + (ago(sync.lastSyncAt) || "never") +
         (sync.lastError ? " · last error: " + sync.lastError : "") + " · " + sync.waiting + " event(s) waiting" +
         (sync.setAside ? " · " + sync.setAside + " event(s) from teammates set aside, the last because " +
-         sync.lastSetAside.reason + " (`pinbox sync --status`)" : "")
-      : "Sync is off: pins stay on this machine (`pinbox sync` shares them through the git remote)";
-    for (const t of ["pins", "sessions", "deliveries"]) {
-      const el = document.getElementById(t); while (el.rows.length > 1) el.deleteRow(1);
-    }
-    for (const p of pins) {
-      const t = p.target || {};
-      const m = p.machine, a = p.agentSession;
-      const tr = row("pins", [p.n, p.id, p.status, t.selector || t.url || (t.source && t.source.file) || "", p.text,
-                              [m ? "from " + (m.author || "?") + " on " + (m.host || "another machine") : "",
-                               a ? "with " + a.agent + " (" + a.key + ")" + (a.host ? " on " + a.host : "") : ""]
+         sync.lastSetAside.reason + " (pinbox sync --status)" : "")
+      : "Sync is off: pins stay on this machine (pinbox sync shares them through the git remote).";
+    clear("pins"); clear("sessions"); clear("deliveries");
+    const byId = new Map(pins.map(p => [p.id, p]));
+    const shown = pins.filter(p => (filter === "all" || p.status === filter) && (!query ||
+      [p.text, (p.target || {}).url, (p.target || {}).selector, p.agentSession && p.agentSession.agent]
+        .join(" ").toLowerCase().includes(query)));
+    for (const p of shown) {
+      const t = p.target || {}, m = p.machine, a = p.agentSession;
+      const main = el("div", null, el("div", null, p.text), el("code", {class: "note"}, t.selector || (t.source && t.source.file) || ""));
+      for (const shot of (p.attachments || []).filter(x => x && x.url && String(x.contentType || "").startsWith("image/")).slice(0, 2))
+        main.append(picture(shot, p.n));
+      const tr = row("pins", ["#" + p.n, el("span", {class: "status"}, statusWords(p)), main, pageLink(t.url),
+                              [a ? a.agent + " (" + a.key + ")" + (a.host ? " on " + a.host : "") : "no agent yet",
+                               m ? "from " + (m.author || "?") + " on " + (m.host || "another machine") : ""]
                                 .filter(Boolean).join(" · ")], p.status);
       thread(p.id, (progress.pins[p.id] || {}).lastMessage).then(msgs => {
         if (!msgs.length) return;
-        const div = document.createElement("div"); div.className = "thread";
+        const div = el("div", {class: "thread"});
         div.textContent = msgs.map(m => m.role + (m.machine ? " (" + (m.machine.author || "?") + ", " +
                                                   (m.machine.host || "another machine") + ")" : "") + ": " + m.text)
                               .join("\n");
-        tr.cells[4].appendChild(div);
+        tr.cells[2].appendChild(div);
       });
     }
-    for (const s of sessions) row("sessions", [s.id, s.agent, s.key, s.endedAt ? "ended" : "live", s.lastSeenAt, s.cwd]);
-    for (const d of deliveries) row("deliveries", [d.id, d.event, d.session || "(waiting)", d.adapter, d.status,
-                                                   d.attempts, d.lastError], d.status);
+    const empty = document.getElementById("pins-empty");
+    empty.hidden = shown.length > 0;
+    empty.textContent = pins.length ? "No " + (filter === "all" ? "" : filter + " ") + "pin matches." :
+      "No pins yet: open your app with pinbox open <url>, press P, click what is wrong and say why.";
+    for (const s of sessions) row("sessions", [s.agent, s.key, s.endedAt ? "ended " + ago(s.endedAt) : "live",
+                                               ago(s.lastSeenAt), s.cwd]);
+    document.getElementById("sessions-empty").hidden = sessions.length > 0;
+    for (const d of deliveries) {
+      const p = byId.get(d.pin);
+      row("deliveries", [(EVENTS[d.event] || d.event) + " (" + d.event + ")", p ? "#" + p.n : d.pin || "",
+                         d.session || "no session yet", d.adapter, stateWords(d)], d.status);
+    }
+    document.getElementById("deliveries-empty").hidden = deliveries.length > 0;
     document.getElementById("err").textContent = "";
   } catch (e) { document.getElementById("err").textContent = String(e.message || e); }
 }

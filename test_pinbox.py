@@ -9279,8 +9279,9 @@ class TestToolbarInChromium(HubCase):
         self.assertIn("1 event(s) from teammates set aside, the last because its clock 3 steps back",
                       b.evaluate("document.getElementById('sync').textContent"))
         self.assertIn("<img src=x onerror=", b.evaluate("document.getElementById('pins').innerText"))
-        self.assertEqual(b.evaluate("document.querySelectorAll('#pins img, #pins b, a[href^=javascript]').length"), 0)
-        self.assertNotEqual(b.evaluate("document.title"), "pwned")
+        self.assertEqual(b.evaluate("document.querySelectorAll('#pins b, a[href^=javascript], img[src=x]').length"), 0)
+        self.assertEqual(b.evaluate("document.title"), "pinbox · repo")  # the project, by name
+        self.assertNotIn("`", b.evaluate("document.body.innerText"))  # no Markdown shown as text
         pins = b.evaluate("document.getElementById('pins').innerText")
         self.assertIn("Footer overlaps the cookie banner", pins)
         b.wait_for("document.getElementById('pins').innerText.includes('agent: which page?')")
@@ -9288,10 +9289,27 @@ class TestToolbarInChromium(HubCase):
         deliveries = b.evaluate("document.getElementById('deliveries').innerText")
         self.assertIn("pin.created", deliveries)
         self.assertIn("hooks", deliveries)
+        # Resolved by a commit, reopened, and seen at phone width and in the dark too.
+        self.ok("resolve", pin["id"])
+        self.ok("reopen", pin["id"], "--note", "still overlaps")
+        b.click_at("document.querySelector('[data-filter=\"all\"]')")
+        b.wait_for("document.getElementById('pins').innerText.includes('reopened: the fix was not right')")
+        b.wait_for("document.getElementById('sessions').innerText.includes('min ago') || "
+                   "document.getElementById('sessions').innerText.includes('just now')")
+        folder = os.path.join(os.environ.get("TMPDIR", "/tmp"), "pinbox-test-artifacts")
+        os.makedirs(folder, exist_ok=True)
+        for width, scheme in ((1280, "light"), (390, "light"), (1280, "dark"), (390, "dark")):
+            b.call("Emulation.setDeviceMetricsOverride", {"width": width, "height": 900, "deviceScaleFactor": 1,
+                                                          "mobile": width < 600}, page=True)
+            b.call("Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": scheme}]},
+                   page=True)
+            self.assertLessEqual(b.evaluate("document.documentElement.scrollWidth"), width)  # nothing off the side
+            b.screenshot(os.path.join(folder, "overview-%d-%s.png" % (width, scheme)))
+        self.assertEqual(b.evaluate("getComputedStyle(document.body).backgroundColor"), "rgb(22, 24, 29)")
         b.open("http://127.0.0.1:%d/#token=wrong" % self.port)
         b.wait_for("document.getElementById('err').textContent.includes('missing or invalid bearer token')")
         b.open("http://127.0.0.1:%d/" % self.port)  # the address without its token
-        b.wait_for("document.getElementById('err').textContent.includes('open it from the address `pinbox serve`')")
+        b.wait_for("document.getElementById('err').textContent.includes('open it from the address that pinbox serve')")
 
     @campaign_only("three rounds of the hub page's 5 s refresh")
     def test_the_hub_page_asks_for_a_thread_only_when_it_changed(self):
