@@ -9752,8 +9752,11 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       state.lastSeq = ev.seq;
     }
     if (ev.type === 'thread.message') {
-      addMessage(ev.payload);
-      if (ev.payload) refreshProgress(ev.payload.pinId);
+      const m = ev.payload;
+      // A reply from a session this page has not heard of waits for its name (one request),
+      // so it never shows as "an agent" until the thread is opened again.
+      if (m && m.role === 'agent' && m.session && !state.sessions[m.session]) refreshProgress(m.pinId).then(() => addMessage(m));
+      else { addMessage(m); if (m) refreshProgress(m.pinId); }
     } else if (EVENT_TYPES.includes(ev.type)) upsert(ev.payload);
   }
 

@@ -9007,6 +9007,13 @@ class TestToolbarInChromium(HubCase):
               % (progress, progress), "replied")
         b.wait_for(self.in_shadow("Array.from(root.querySelectorAll('[data-pinbox=\"message\"] .who')).some(w => "
                                   "w.textContent.startsWith('agent · claude (k-live-s)'))"))
+        # A session the page has never heard of is named from the first moment its reply shows.
+        self.ok("session", "register", "--agent", "claude", "--key", "k-second-look")
+        self.ok("reply", pin["id"], "A second look", "--as", "agent", "--session", "claude:k-second-look")
+        last = self.in_shadow("Array.from(root.querySelectorAll('[data-pinbox=\"message\"]')).pop()")
+        b.wait_for("(%s).textContent.includes('A second look')" % last)
+        self.assertTrue(b.evaluate("(%s).querySelector('.who').textContent" % last).startswith(
+            "agent · claude (k-second)"))
         git_commit(self.repo, "Fix rounding\n\nFixes: %s" % pin["id"], "fix.txt", env=self.env)
         sha = git(self.repo, "rev-parse", "HEAD")
         until("(%s).textContent === 'Resolved by commit %s (by human)'" % (progress, sha[:7]), "resolved")
@@ -9022,7 +9029,7 @@ class TestToolbarInChromium(HubCase):
         b.click_at(marker)
         b.wait_for(self.in_shadow("Array.from(root.querySelectorAll('[data-pinbox=\"message\"] .who')).map(w => "
                                   "w.textContent.split(' · ').slice(0, -1).join(' · ')).join('|') === "
-                                  "'agent · claude (k-live-s)|human'"))
+                                  "'agent · claude (k-live-s)|agent · claude (k-second)|human'"))
 
     @campaign_only("with the longer toolbar tests, one at a time")
     def test_a_long_pin_in_a_narrow_window_leaves_every_control_in_reach(self):
