@@ -3452,7 +3452,7 @@ class TestSync(SyncCase):
                          "document.getElementById('sync').textContent.includes('Syncing')")
         row = browser.evaluate("document.getElementById('pins').rows[1].innerText")
         self.assertIn("from B Person <b@example.com> on %s" % host, row)
-        self.assertIn("with claude (ka)", row)
+        self.assertIn("claude (ka)", row)
         self.assertIn("Syncing with git remote origin", browser.evaluate("document.getElementById('sync').textContent"))
 
     # --- what a teammate pushes is checked whole (issue: trust) ------------------------
@@ -4125,7 +4125,7 @@ class TestHubApi(HubCase):
         s2 = self.api("POST", "/sessions", {"agent": "claude", "key": "s2"}, 201)
         self.api("DELETE", "/sessions/%s" % s2["id"])
         self.assertEqual(self.api("GET", "/summary"), {"open": 1, "resolved": 1, "lastEventSeq": 3, "sessions": 1,
-                                                       "connectedToolbars": 0})
+                                                       "connectedToolbars": 0, "project": "repo"})
 
     def test_sessions_over_http_route_pins(self):
         s1 = self.api("POST", "/sessions", {"agent": "claude", "key": "s1", "cwd": self.repo}, 201)
