@@ -6104,10 +6104,44 @@ SHELL_TAIL = " || true"  # even a missing interpreter must not fail the agent's 
 
 
 def agent_hook_command(agent, verb):
-    """Claude Code and Codex run hook commands through a shell; Hermes splits them into
-    argv itself, so its command gets no shell syntax."""
+    """This machine's own form: this copy of pinbox by its absolute path, from cached
+    bytecode. Claude Code and Codex run hook commands through a shell; Hermes splits them
+    into argv itself, so its command gets no shell syntax."""
     command = hook_command(["session", verb, "--hook", "--agent", agent])
     return command if agent == "hermes" else command + SHELL_TAIL
+
+
+def vendored_path(root):
+    """Where this copy of pinbox lies inside the project (a vendored copy, committed
+    with it), relative to the project's top; None when it lives elsewhere."""
+    path, top = os.path.realpath(self_path()), os.path.realpath(root)
+    return os.path.relpath(path, top) if path.startswith(top + os.sep) and os.path.isfile(path) else None
+
+
+def team_hook_command(root, agent, verb):
+    """The form for a file the team commits: it runs on any machine with pinbox — the
+    copy vendored in the repository (found from its top, wherever the agent runs), else
+    the `pinbox` command on PATH — and quietly does nothing on one without it."""
+    import shlex
+    args = ["session", verb, "--hook", "--agent", agent]
+    rel = vendored_path(root)
+    if rel is None:
+        return "command -v pinbox >/dev/null 2>&1 && %s%s" % (shlex.join(["pinbox"] + args), SHELL_TAIL)
+    folder, name = os.path.split(rel)
+    where = '"$top"/%s' % shlex.quote(rel)
+    if name.endswith(".py"):  # imported, so Python runs it from its cached bytecode
+        run = "python3 -I -S -c %s \"$top\"/%s %s" % (
+            shlex.quote("import sys;sys.path.append(sys.argv.pop(1));__import__(%r).main()" % name[:-3]),
+            shlex.quote(folder or "."), shlex.join(args))
+    else:
+        run = "python3 -I -S %s %s" % (where, shlex.join(args))
+    return 'top="$(git rev-parse --show-toplevel 2>/dev/null)" && [ -f %s ] && %s%s' % (where, run, SHELL_TAIL)
+
+
+def local_fallback_command(agent, verb):
+    """This machine's form, for its uncommitted settings, when the team's form finds no
+    pinbox here: it runs only while `pinbox` is not on PATH, so never both."""
+    return "command -v pinbox >/dev/null 2>&1 || %s" % agent_hook_command(agent, verb)
 
 
 def is_pinbox_handler(handler, agent, verb):
@@ -6119,14 +6153,15 @@ def is_pinbox_handler(handler, agent, verb):
     return command.endswith("session %s --hook --agent %s" % (verb, agent))
 
 
-def merge_json_hooks(config, agent, table, uninstall):
+def merge_json_hooks(config, agent, table, uninstall, command=agent_hook_command):
     """Puts pinbox's handler for each event into an agent's JSON hook settings (or takes
-    it out), keeping every other key, group and handler as it was."""
+    it out), keeping every other key, group and handler as it was. `command(agent,
+    verb)` is the handler's command line."""
     hooks = config.get("hooks", {})
     if not isinstance(hooks, dict):
         raise ValueError('"hooks" is not an object')
     for event, verb, timeout in table:
-        ours = {"type": "command", "command": agent_hook_command(agent, verb)}
+        ours = {"type": "command", "command": command(agent, verb)}
         if timeout:
             ours["timeout"] = timeout
         groups = hooks.get(event, [])
@@ -6193,12 +6228,26 @@ def plan_json(name, path, change, uninstall, drop_empty=False):
     return Plan(name, path, outcome_for(old, new), None if new == old else new)
 
 
-def plan_json_settings(name, path, agent, table, uninstall, extra=None):
+def plan_json_settings(name, path, agent, table, uninstall, extra=None, command=agent_hook_command):
     def change(config):
-        merge_json_hooks(config, agent, table, uninstall)
+        merge_json_hooks(config, agent, table, uninstall, command)
         if extra and not uninstall:
             extra(config)
     return plan_json(name, path, change, uninstall)
+
+
+def team_command(root):
+    return lambda agent, verb: team_hook_command(root, agent, verb)
+
+
+def pinbox_on_path(root):
+    """Whether the team's hook form finds pinbox on this machine."""
+    import shutil
+    return vendored_path(root) is not None or shutil.which("pinbox") is not None
+
+
+PATH_NOTE = ("pinbox is not on your PATH, so the hooks in %s (which your team shares) find no pinbox here: run "
+             "`pinbox install`%s")
 
 
 def allow_pinbox_commands(config):
@@ -6214,8 +6263,25 @@ def allow_pinbox_commands(config):
 
 
 def plan_claude(root, uninstall=False, trust=False):
-    return [plan_json_settings("claude", os.path.join(root, ".claude", "settings.json"), "claude", CLAUDE_HOOKS,
-                               uninstall, allow_pinbox_commands)]
+    """The team's hooks in .claude/settings.json (committed); on a machine where they find
+    no pinbox, this machine's own in .claude/settings.local.json (Claude Code's
+    uncommitted settings), which run only while that is so."""
+    shared = os.path.join(root, ".claude", "settings.json")
+    plans = [plan_json_settings("claude", shared, "claude", CLAUDE_HOOKS, uninstall, allow_pinbox_commands,
+                                team_command(root))]
+    local = os.path.join(root, ".claude", "settings.local.json")
+    fallback = not uninstall and not pinbox_on_path(root)
+    if fallback or os.path.exists(local):
+        plans.append(plan_json_settings("claude-local", local, "claude", CLAUDE_HOOKS, not fallback,
+                                        command=local_fallback_command))
+        exclude = os.path.join(git_dir(root) or os.path.join(root, ".git"), "info", "exclude")
+        if fallback and git_dir(root) and git_output(["check-ignore", "-q", local], root) is None:
+            # Kept out of git on this machine only (.git/info/exclude is nobody else's).
+            plans.append(marked_block_plan("claude-local-ignore", exclude, "# >>> pinbox", "# <<< pinbox",
+                                           "/.claude/settings.local.json\n", False))
+    if fallback:
+        plans[0].notes.append(PATH_NOTE % (shared, "; until then this machine uses its own, in %s" % local))
+    return plans
 
 
 def codex_home():
@@ -6265,7 +6331,9 @@ def marked_block_plan(name, path, begin, end, body, uninstall, clash=None):
 
 def plan_codex(root, uninstall=False, trust=False):
     hooks_path = os.path.join(root, ".codex", "hooks.json")
-    plans = [plan_json_settings("codex", hooks_path, "codex", CODEX_HOOKS, uninstall)]
+    plans = [plan_json_settings("codex", hooks_path, "codex", CODEX_HOOKS, uninstall, command=team_command(root))]
+    if not uninstall and not pinbox_on_path(root):
+        plans[0].notes.append(PATH_NOTE % (hooks_path, ""))
     config = os.path.join(codex_home(), "config.toml")
     begin, end = "# >>> pinbox trust for %s" % root, "# <<< pinbox trust for %s" % root
     if uninstall or trust:
@@ -6513,9 +6581,12 @@ def plan_gemini(root, uninstall=False, trust=False):
 
     def change(config):  # its MCP server, and hooks that pull pins into every prompt
         server(config, uninstall)
-        merge_json_hooks(config, "gemini", GEMINI_HOOKS, uninstall)
-    plans = [plan_json("gemini", os.path.join(root, ".gemini", "settings.json"), change, uninstall, drop_empty=True),
+        merge_json_hooks(config, "gemini", GEMINI_HOOKS, uninstall, team_command(root))
+    settings = os.path.join(root, ".gemini", "settings.json")
+    plans = [plan_json("gemini", settings, change, uninstall, drop_empty=True),
              plan_instruction_block("gemini-rule", os.path.join(root, "GEMINI.md"), uninstall)]
+    if not uninstall and not pinbox_on_path(root):
+        plans[0].notes.append(PATH_NOTE % (settings, ""))
     trusted = os.path.join(os.path.expanduser("~"), ".gemini", "trustedFolders.json")
     if trust or uninstall:
         plans.append(plan_mcp_json("gemini-trust", trusted, None, "TRUST_FOLDER", uninstall, key=root))
@@ -7310,6 +7381,9 @@ def probe_agents(ctx):
         raise RuntimeError("no agent wired here, so no agent will get the pins — fix: `pinbox init --agent claude` "
                            "(or codex, hermes, gemini, cursor, vscode, …)")
     problems = []
+    if not pinbox_on_path(ctx.root) and any(agent in ("codex", "gemini") for agent in wired):
+        problems.append("the hooks your team shares call `pinbox`, which is not on this machine's PATH, so they do "
+                        "nothing here — fix: `pinbox install`")
     for agent in wired:
         for plan in AGENT_INSTALLERS[agent](ctx.root, trust=True):
             if plan.outcome == "unchanged":

@@ -53,6 +53,25 @@ BOOT = "import sys; sys.path.insert(0, %r); import pinbox; pinbox.main()" % HERE
 PIN_ID = r"^pin_[a-z0-9]{10}$"
 
 
+_LAUNCHERS = []
+
+
+def installed_pinbox_dir():
+    """A folder holding `pinbox` as `pinbox install` makes it (this copy, from cached
+    bytecode), made once per test process: the tests run where pinbox is installed, as
+    the README's own setup leaves a person, and the hooks `init` writes for a team find it."""
+    if not _LAUNCHERS:
+        folder = tempfile.mkdtemp(prefix="pinbox-bin-")
+        path = os.path.join(folder, "pinbox")
+        with open(path, "w") as handle:
+            handle.write(pinbox.launcher_text())
+        os.chmod(path, 0o755)
+        _LAUNCHERS.append(folder)
+        import atexit
+        atexit.register(shutil.rmtree, folder, True)
+    return _LAUNCHERS[0]
+
+
 def git(cwd, *args, env=None):
     return subprocess.run(["git"] + list(args), cwd=cwd, env=env, check=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE).stdout.decode().strip()
@@ -155,7 +174,8 @@ class PinboxCase(unittest.TestCase):
             if name.startswith(("PINBOX_", "CLAUDE", "CODEX_", "HERMES_", "OPENCLAW_", "GIT_")):
                 del self.env[name]
         self.env.update(HOME=os.path.join(self.tmp, "home"), XDG_STATE_HOME=os.path.join(self.tmp, "state"),
-                        PINBOX_NO_SPAWN="1", LANG="C.UTF-8", USER="tester")
+                        PINBOX_NO_SPAWN="1", LANG="C.UTF-8", USER="tester",
+                        PATH=installed_pinbox_dir() + os.pathsep + os.environ.get("PATH", os.defpath))
         os.makedirs(self.env["HOME"])
         git(self.repo, "init", "-q", "-b", "main")
         git(self.repo, "config", "user.email", "pat@example.com")
@@ -7223,6 +7243,40 @@ class TestClaudeCode(AgentCase):
         self.assertEqual({d["status"] for d in self.ok("show", self.mid["id"])["deliveries"]}, {"delivered"})
 
 
+    def test_a_teammates_clone_gets_pins_through_the_committed_hooks(self):
+        """`init` and a commit in one clone; another clone, in another HOME, with pinbox
+        installed somewhere else: the real Claude Code there registers its session and gets
+        a pin, through the hooks the team committed."""
+        mine = os.path.join(self.tmp, "my-tools")  # where pinbox lives on the first machine
+        os.makedirs(mine)
+        shutil.copy(SCRIPT, os.path.join(mine, "pinbox.py"))
+        subprocess.run([sys.executable, os.path.join(mine, "pinbox.py"), "init", "--agent", "claude"], cwd=self.repo,
+                       env=self.env, check=True, stdout=subprocess.DEVNULL)
+        git(self.repo, "add", ".claude/settings.json", ".gitignore")
+        git(self.repo, "commit", "-q", "-m", "pinbox hooks for the team", env=dict(
+            self.env, GIT_AUTHOR_NAME="a", GIT_AUTHOR_EMAIL="a@x", GIT_COMMITTER_NAME="a", GIT_COMMITTER_EMAIL="a@x"))
+        clone = os.path.realpath(os.path.join(self.tmp, "teammate"))
+        git(self.tmp, "clone", "-q", self.repo, clone)
+        shutil.rmtree(mine)  # the teammate's machine has nothing at the first machine's paths
+        tools = os.path.join(self.tmp, "mate-tools")
+        os.makedirs(tools)
+        shutil.copy(SCRIPT, os.path.join(tools, "pinbox.py"))
+        path = os.pathsep.join(p for p in self.env["PATH"].split(os.pathsep) if p != installed_pinbox_dir())
+        mate = dict(self.env, HOME=os.path.join(self.tmp, "mate-home"), XDG_STATE_HOME=os.path.join(self.tmp, "mate-st"),
+                    PATH=os.path.join(tools, "bin") + os.pathsep + path)
+        os.makedirs(mate["HOME"])
+        subprocess.run([sys.executable, os.path.join(tools, "pinbox.py"), "install", "--dir", os.path.join(tools, "bin")],
+                       env=mate, check=True, stdout=subprocess.DEVNULL)
+        pin = self.ok("pin", "PBXCANARY-TEAM: the teammate's own pin", cwd=clone, env=mate)
+        env = dict(mate, ANTHROPIC_BASE_URL=self.fake.url, ANTHROPIC_API_KEY="sk-ant-fake",
+                   CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_AUTOUPDATER="1", DISABLE_TELEMETRY="1")
+        done = subprocess.run([self.binary, "-p", "hello", "--output-format", "json"], cwd=clone, env=env,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
+        self.assertEqual(done.returncode, 0, done.stderr.decode()[-3000:])
+        self.assert_framed_pin_in(self.fake.texts()[0], pin)
+        sessions = self.ok("session", "list", cwd=clone, env=mate)
+        self.assertEqual([(s["agent"], s["cwd"]) for s in sessions], [("claude", clone)])
+
     def claude_looks_at(self, which):
         """Claude Code on the open pins, with a fake model that asks its Read tool for the
         `which`-th picture the context names. Returns (the paths asked for, the pictures
@@ -7723,8 +7777,9 @@ class TestInitAgents(PinboxCase):
             "session inject --hook --agent claude || true"))
         for event, verb in (("SessionStart", "register"), ("Stop", "pending"), ("SessionEnd", "end")):
             command = merged["hooks"][event][0]["hooks"][0]["command"]
-            self.assertTrue(command.startswith(sys.executable + " -I -S -c "), command)
-            self.assertTrue(command.endswith("session %s --hook --agent claude || true" % verb))
+            # A file the team commits: nothing of this machine's in it (no interpreter, no path).
+            self.assertEqual(command, "command -v pinbox >/dev/null 2>&1 && pinbox session %s --hook --agent claude"
+                                      " || true" % verb)
         self.assertEqual(merged["permissions"], {"allow": ["Bash(npm test)", "Bash(pinbox:*)"], "deny": ["Read(.env)"]})
         self.assertTrue(self.read(settings).startswith('{\n    "model"'))  # the user's indent is kept
         before = self.read(settings)
@@ -7737,18 +7792,76 @@ class TestInitAgents(PinboxCase):
         self.assertEqual(left["model"], "opus")
 
     def test_a_moved_pinbox_updates_its_hooks_in_place(self):
-        self.ok("init", "--agent", "claude")
+        """Where pinbox is not on PATH, this machine's own hooks (in the uncommitted
+        settings) name this copy: moved, `init` again updates them in place."""
+        bare = dict(self.env, PATH=os.path.dirname(sys.executable) + os.pathsep + "/usr/bin:/bin")
+        self.ok("init", "--agent", "claude", env=bare)
         elsewhere = os.path.join(self.tmp, "opt")
         os.makedirs(elsewhere)
         shutil.copy(SCRIPT, os.path.join(elsewhere, "pinbox.py"))
         done = subprocess.run([sys.executable, os.path.join(elsewhere, "pinbox.py"), "init", "--agent", "claude"],
-                              cwd=self.repo, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        self.assertEqual(json.loads(done.stdout)["data"]["agents"][0]["outcome"], "updated", done.stderr)
-        merged = json.loads(self.read(self.path(".claude", "settings.json")))
+                              cwd=self.repo, env=bare, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        outcomes = {a["target"]: a["outcome"] for a in json.loads(done.stdout)["data"]["agents"]}
+        self.assertEqual(outcomes, {"claude": "unchanged", "claude-local": "updated"}, done.stderr)
+        merged = json.loads(self.read(self.path(".claude", "settings.local.json")))
         for event in ("SessionStart", "UserPromptSubmit", "Stop", "SessionEnd"):
             handlers = [h for g in merged["hooks"][event] for h in g["hooks"]]
             self.assertEqual(len(handlers), 1)
             self.assertIn(elsewhere, handlers[0]["command"])
+
+    def test_hooks_a_team_commits_work_on_a_teammates_machine(self):
+        """Once, `init` wrote this machine's Python and this checkout's path into
+        .claude/settings.json: a teammate who cloned got hooks that silently did nothing."""
+        bare = dict(self.env, PATH=os.path.dirname(sys.executable) + os.pathsep + "/usr/bin:/bin")
+        data = self.ok("init", "--agent", "claude,codex", env=bare)
+        self.assertIn("pinbox is not on your PATH", "\n".join(data["notes"]))
+        shared = self.read(self.path(".claude", "settings.json")) + self.read(self.path(".codex", "hooks.json"))
+        for machine_specific in (sys.executable, SCRIPT, self.repo, self.tmp):
+            self.assertNotIn(machine_specific, shared)
+        self.assertEqual(git(self.repo, "check-ignore", ".claude/settings.local.json"), ".claude/settings.local.json")
+        self.assertNotIn("settings.local", self.read(self.path(".gitignore")))  # ignored here, not for the team
+        # The doctor names hooks that find no pinbox on this machine.
+        doctor = self.run_pinbox("doctor", env=bare).json["data"]["checks"]
+        agents = [c for c in doctor if c["name"] == "agents"][0]
+        self.assertFalse(agents["ok"])
+        self.assertIn("which is not on this machine's PATH, so they do nothing here — fix: `pinbox install`",
+                      agents["detail"])
+        # A teammate's clone, with pinbox installed somewhere else: the committed hooks run it.
+        git(self.repo, "add", ".claude/settings.json", ".codex/hooks.json", ".gitignore")
+        git(self.repo, "commit", "-q", "-m", "pinbox hooks", env=dict(self.env, GIT_AUTHOR_NAME="a",
+                                                                     GIT_AUTHOR_EMAIL="a@x", GIT_COMMITTER_NAME="a",
+                                                                     GIT_COMMITTER_EMAIL="a@x"))
+        clone = os.path.join(self.tmp, "teammate")
+        git(self.tmp, "clone", "-q", self.repo, clone)
+        mate = dict(self.env, HOME=os.path.join(self.tmp, "mate-home"), XDG_STATE_HOME=os.path.join(self.tmp, "mate-st"))
+        os.makedirs(mate["HOME"])
+        elsewhere = os.path.join(self.tmp, "mate-tools")
+        os.makedirs(elsewhere)
+        shutil.copy(SCRIPT, os.path.join(elsewhere, "pinbox.py"))
+        subprocess.run([sys.executable, os.path.join(elsewhere, "pinbox.py"), "install", "--dir",
+                        os.path.join(elsewhere, "bin")], env=mate, check=True, stdout=subprocess.DEVNULL)
+        mate["PATH"] = os.path.join(elsewhere, "bin") + os.pathsep + bare["PATH"]
+        self.ok("pin", "for the teammate's agent", cwd=clone, env=mate)
+        command = json.loads(self.read(os.path.join(clone, ".claude", "settings.json")))["hooks"]["UserPromptSubmit"][
+            0]["hooks"][0]["command"]
+        done = subprocess.run(["sh", "-c", command], cwd=clone, env=mate, stdout=subprocess.PIPE,
+                              input=payload("mate-1", "UserPromptSubmit", clone).encode())
+        self.assertIn("for the teammate's agent", json.loads(done.stdout)["hookSpecificOutput"]["additionalContext"])
+        # A copy vendored in the repository is found from its top, wherever the agent runs.
+        vendored = os.path.join(self.repo, "tools")
+        os.makedirs(vendored)
+        shutil.copy(SCRIPT, os.path.join(vendored, "pinbox.py"))
+        subprocess.run([sys.executable, os.path.join(vendored, "pinbox.py"), "init", "--agent", "claude"],
+                       cwd=self.repo, env=bare, check=True, stdout=subprocess.DEVNULL)
+        command = json.loads(self.read(self.path(".claude", "settings.json")))["hooks"]["UserPromptSubmit"][0][
+            "hooks"][0]["command"]
+        self.assertNotIn(self.repo, command)
+        self.assertIn('"$top"/tools', command)
+        os.makedirs(self.path("src", "deep"))
+        self.ok("pin", "for the vendored copy", env=bare)
+        done = subprocess.run(["sh", "-c", command], cwd=self.path("src", "deep"), env=bare, stdout=subprocess.PIPE,
+                              input=payload("vend-1", "UserPromptSubmit", self.path("src", "deep")).encode())
+        self.assertIn("for the vendored copy", json.loads(done.stdout)["hookSpecificOutput"]["additionalContext"])
 
     def test_an_unparseable_settings_file_is_left_alone_and_reported(self):
         settings = self.path(".claude", "settings.json")
