@@ -6996,6 +6996,13 @@ def cmd_init(ctx):
     report["agents"] = agent_reports
     if args.dry_run:
         notes.append("dry run: nothing was written")
+    elif not args.uninstall:
+        wired = [a for a in agents if a in AGENT_INSTALLERS]
+        report["next"] = ("start %s here, then open your app with the toolbar: pinbox open http://localhost:5173 "
+                          "(your dev server's address); a pin you drop there reaches it" % " or ".join(wired)
+                          if wired else "wire the agent you work with: pinbox init --agent claude (or codex, hermes, "
+                          "gemini, cursor, …)")
+        notes.append("next: " + report["next"])
     report["notes"] = notes
     width = max([10] + [len(label) for label, _ in lines])
     facts = "\n".join("%s  %s  %s" % ("no" if detail.startswith(("kept", "failed")) else "ok", label.ljust(width), detail)

@@ -7874,6 +7874,11 @@ class TestInitAgents(PinboxCase):
         self.assertEqual(self.read(settings), '{"hooks": {oops')
         self.assertIn("no  claude", self.human("init", "--agent", "claude").out)
 
+    def test_init_ends_with_the_next_step(self):
+        self.assertTrue(self.ok("init")["next"].startswith("wire the agent you work with: pinbox init --agent claude"))
+        r = self.human("init", "--agent", "claude,codex")
+        self.assertIn("next: start claude or codex here, then open your app with the toolbar: pinbox open ", r.err)
+
     def test_dry_run_and_bad_agent_names(self):
         before = sorted(os.listdir(self.repo))
         data = self.ok("init", "--agent", "claude,codex", "--dry-run")
