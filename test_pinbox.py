@@ -22,6 +22,7 @@ import json
 import os
 import pty
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -142,8 +143,13 @@ class Result:
 def on_terminal(args, cwd, env):
     """Runs a pinbox command with stdout on a terminal (human mode), as a person types
     it; stderr is a pipe."""
+    return run_on_terminal([sys.executable, "-c", BOOT] + list(args), cwd, env)
+
+
+def run_on_terminal(argv, cwd, env):
+    """Runs a command with stdout on a terminal; stderr is a pipe."""
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-c", BOOT] + list(args), cwd=cwd, env=env,
+    proc = subprocess.Popen(argv, cwd=cwd, env=env,
                             stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.PIPE)
     os.close(slave)
     chunks = []
@@ -8033,6 +8039,70 @@ class TestInitAgents(PinboxCase):
         self.assertEqual(broken.code, 1)
         with open(os.path.join(self.repo, ".vscode", "mcp.json")) as handle:
             self.assertEqual(handle.read(), "{ not json")
+
+def readme_blocks(text):
+    """Each fenced block of README that starts with `$ `: [(command, [expected lines])]."""
+    blocks, inside, current = [], False, None
+    for line in text.splitlines():
+        if line.startswith("```"):
+            inside, current = not inside, None
+            continue
+        if inside and line.startswith("$ "):
+            current = (line[2:], [])
+            blocks.append(current)
+        elif inside and current is not None:
+            current[1].append(line)
+    return blocks
+
+
+def as_readme_shows(text, home):
+    """Output with what differs from run to run (ids, ports, tokens, times, commits, the
+    person's HOME) put the way README writes it."""
+    text = text.replace(home, "/home/pat")
+    for pattern, shown in ((r"\b(pin|msg|ses|att|dev)_[a-z0-9]{10}\b", r"\1_…"), (r"#token=[^\s]+", "#token=…"),
+                           (r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", "TIME"), (r":[0-9]{2,5}\b|(?<=\(port )[0-9]{2,5}\b", "PORT"),
+                           (r"(main @ )[0-9a-f]{7}", r"\1SHA")):
+        text = re.sub(pattern, shown, text)
+    return [line.rstrip() for line in text.strip("\n").split("\n")]
+
+
+class TestReadme(unittest.TestCase):
+    def test_every_command_block_of_the_readme_prints_what_it_shows(self):
+        """Each `$ ` block of README, in order, as a person types it on a terminal in a
+        fresh HOME (pinbox downloaded, a repository of their app, the app running): what
+        it prints is what README shows, ids, ports, tokens, times and commits aside."""
+        tmp = tempfile.mkdtemp(prefix="pinbox-readme-")
+        self.addCleanup(shutil.rmtree, tmp, True)
+        home = os.path.join(tmp, "home")
+        download, repo = os.path.join(tmp, "download"), os.path.join(home, "shop")
+        os.makedirs(download)
+        os.makedirs(repo)
+        shutil.copy(SCRIPT, os.path.join(download, "pinbox.py"))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PINBOX_", "CLAUDE", "CODEX_", "GIT_", "XDG_"))}
+        env.update(HOME=home, LANG="C.UTF-8", BROWSER="true",  # a browser that opens nothing, quietly
+                   PATH=os.path.join(home, ".local", "bin") + os.pathsep + env.get("PATH", os.defpath),
+                   GIT_CONFIG_GLOBAL=os.path.join(home, ".gitconfig"))
+        for key, value in (("user.name", "Pat"), ("user.email", "pat@example.com"), ("init.defaultBranch", "main")):
+            git(tmp, "config", "--global", key, value, env=env)
+        git(repo, "init", "-q", env=env)
+        git_commit(repo, "initial", env=env)
+        app, _ = fake_app(self, {"/": lambda h: send_plain(h, 200, b"<h1>Shop</h1>", [("Content-Type", "text/html")])})
+        self.addCleanup(lambda: on_terminal(["stop", "--all"], repo, env))  # should a block fail midway
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
+            blocks = readme_blocks(handle.read())
+        self.assertGreaterEqual(len(blocks), 8)
+        for command, expected in blocks:
+            words = shlex.split(command.replace("localhost:3000", "localhost:%d" % app))
+            if words[:2] == ["python3", "pinbox.py"]:
+                cwd, argv = download, [sys.executable, "pinbox.py"] + words[2:]
+            else:
+                self.assertEqual(words[0], "pinbox", command)
+                cwd, argv = repo, [os.path.join(home, ".local", "bin", "pinbox")] + words[1:]
+            shown = run_on_terminal(argv, cwd, env)
+            self.assertEqual(shown.code, 0, (command, shown))
+            self.assertEqual(as_readme_shows(shown.out + shown.err, home), as_readme_shows("\n".join(expected), home),
+                             command)
+
 
 class TestHumanOutput(PinboxCase):
     def test_escape_sequences_in_pin_text_are_shown_not_run(self):
