@@ -8973,7 +8973,8 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
           title: 'Capture the tab as the browser shows it (asks once)' }, 'Tab capture') : null),
       h('div', { class: 'row' }, h('label', { class: 'attach' }, '+ Image', attach), ui.fileName),
       ui.preview,
-      h('div', { class: 'actions' }, h('button', { type: 'button', onclick: closeComposer }, 'Cancel'), ui.submit));
+      h('div', { class: 'actions' }, h('span', { class: 'note grow', 'data-pinbox': 'hint' }, 'Ctrl+Enter pins it'),
+        h('button', { type: 'button', onclick: closeComposer }, 'Cancel'), ui.submit));
     ui.layer.append(ui.composer);
     positionAll();
     if (state.draft) comment.value = state.draft;

@@ -9134,6 +9134,12 @@ class TestToolbarInChromium(HubCase):
         self.assertEqual(b.evaluate(self.in_shadow("Array.from(root.querySelectorAll('.toast')).map(t => "
                                                    "t.textContent).join()")), "")
         self.artifact("drawer-every-shape.png")
+        # The composer says how to send without a look at the keys.
+        b.key("Escape")
+        b.key("p", 80)
+        b.click_at("document.querySelector('h1')")
+        hint = self.shadow('[data-pinbox="hint"]')
+        b.wait_for("!!(%s) && (%s).textContent === 'Ctrl+Enter pins it' && (%s).offsetWidth > 0" % (hint, hint, hint))
 
     def test_a_pin_whose_page_is_no_web_address_never_becomes_a_link(self):
         """A pin kept from before addresses were checked (an older store, a teammate's
