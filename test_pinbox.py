@@ -8549,6 +8549,32 @@ class TestCommandLine(PinboxCase):
 # Assets: the page toolbar, the overview page, the demo page
 # ============================================================================
 
+class TestAssets(unittest.TestCase):
+    def test_every_script_pinbox_serves_parses(self):
+        """The toolbar, the overview page's script and the demo page's are programs too:
+        node parses each (a syntax slip would otherwise show only in the Chromium tests)."""
+        node = shutil.which("node")
+        if node is None:
+            self.skipTest("node not installed: it checks the scripts' syntax")
+        scripts = {"toolbar.js": pinbox.TOOLBAR_JS}
+        for name, page in (("overview", pinbox.PAGE_HTML), ("demo", pinbox.DEMO_HTML)):
+            for n, body in enumerate(re.findall(r"<script>(.*?)</script>", page, re.S)):
+                scripts["%s-%d.js" % (name, n)] = body
+        self.assertGreaterEqual(len(scripts), 3)
+        folder = tempfile.mkdtemp(prefix="pinbox-js-")
+        self.addCleanup(shutil.rmtree, folder, True)
+        for name, body in scripts.items():
+            path = os.path.join(folder, name)
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write(body)
+            done = subprocess.run([node, "--check", path], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            self.assertEqual(done.returncode, 0, (name, done.stderr.decode()[-2000:]))
+        broken = os.path.join(folder, "broken.js")  # and the check itself can fail
+        with open(broken, "w") as handle:
+            handle.write(pinbox.TOOLBAR_JS.replace("function renderDrawer() {", "function renderDrawer() {{", 1))
+        self.assertNotEqual(subprocess.run([node, "--check", broken], stderr=subprocess.DEVNULL).returncode, 0)
+
+
 class TestToolbarInChromium(HubCase):
     """The page toolbar in a real browser: a person pins an element, an agent replies, a
     commit resolves it, and the page follows along without a reload."""
