@@ -3820,7 +3820,7 @@ LOCAL_ROUTES = (r_register, r_end_session, r_inject, r_pending, r_inbox_post, r_
 PUBLIC_ROUTES = (("GET", "/health"), ("GET", "/toolbar.js"), ("GET", "/"), ("GET", "/demo"))
 TOKEN_IN_QUERY = ("/stream", "/ws")  # EventSource and WebSocket cannot send headers
 MAX_CONNECTIONS = 512
-HEAD_DEADLINE_S = 10.0  # to send a request's line, headers and body
+HEAD_DEADLINE_S = 30.0  # to send a request's line, headers and body (an idle kept-alive one: as long)
 
 
 def host_is_loopback(value):
