@@ -4743,6 +4743,23 @@ class TestHubWireFuzz(HubCase):
     # well within the hub's head deadline (HEAD_DEADLINE_S, 30 s); one past it is cut.
     SLOW_GAP = 0.2 if FULL else 0.15
 
+    def test_a_connection_past_its_head_deadline_is_cut_and_none_before(self):
+        import types
+        late, late_peer = socket.socketpair()
+        fresh, fresh_peer = socket.socketpair()
+        for sock in (late, late_peer, fresh, fresh_peer):
+            self.addCleanup(sock.close)
+        now = time.monotonic()
+        server = types.SimpleNamespace(reading={late: now - pinbox.HEAD_DEADLINE_S - 1, fresh: now - 1})
+        server.cut_readers = types.MethodType(pinbox.HubServer.cut_readers, server)
+        pinbox.HubServer.service_actions(server)
+        self.assertEqual(list(server.reading), [fresh])
+        late_peer.settimeout(5)
+        self.assertEqual(late_peer.recv(10), b"")  # cut: the client sees the end at once
+        fresh_peer.setblocking(False)
+        with self.assertRaises(BlockingIOError):  # still open, nothing sent
+            fresh_peer.recv(10)
+
     def test_five_hundred_and_twelve_trickling_connections_leave_room_for_everyone_else(self):
         """Each holds a connection open by sending a byte now and then, never a whole
         request: the hub cuts the longest of them when its slots run out (and each past
