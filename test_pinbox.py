@@ -1529,6 +1529,56 @@ class TestKills(HubCase):
 
 
 # ============================================================================
+# Shapes: what arrives from outside, checked whole
+# ============================================================================
+
+class TestShapes(unittest.TestCase):
+    """The declarations everything from outside meets, in-process, at their edges."""
+
+    def refused(self, value, spec, words):
+        with self.assertRaises(pinbox.PinboxError) as caught:
+            pinbox.validate(value, spec, "field")
+        self.assertIn(words, caught.exception.message)
+
+    def test_strings_text_and_addresses_have_their_own_bounds(self):
+        limit = pinbox.STRING_LIMIT
+        self.assertEqual(pinbox.validate("x" * limit, "string"), "x" * limit)
+        self.refused("x" * (limit + 1), "string", "longer than %d characters" % limit)
+        self.assertEqual(len(pinbox.validate("x" * (limit * 4), "text")), limit * 4)  # a pin's own text: the body cap
+        self.refused("http://x/" + "a" * limit, "url", "longer than")
+        for bad in ("a\ud800", "\udfff"):
+            for spec in ("string", "text", "url"):
+                self.refused(bad, spec, "not valid Unicode")
+        self.refused({"\ud800": "x"}, ("map", "string"), "not valid Unicode")
+
+    def test_whole_numbers_in_a_range_are_whole_numbers(self):
+        spec = ("range", (1, 2 ** 53))
+        self.assertEqual([pinbox.validate(v, spec) for v in (1, 2 ** 53)], [1, 2 ** 53])
+        for bad in (0, 2 ** 53 + 1, True, 1.0, "1", None, -1):
+            self.refused(bad, spec, "expected a whole number from 1 to")
+
+    def test_only_an_http_address_is_an_address(self):
+        for good in ("http://localhost:5173/cart?a=1#b", "HTTPS://Example.com", "http://[::1]:3000/"):
+            self.assertEqual(pinbox.check_url(good), good)
+        for bad in ("javascript:alert(1)", "data:text/html,x", "//x/", "http://", "http://x/a b", "http://x/\x01",
+                    "http://x/\x7f", "http://x\\y/", "ftp://x/", " http://x/", 5):
+            with self.assertRaises(pinbox.PinboxError, msg=repr(bad)):
+                pinbox.check_url(bad)
+
+    def test_text_that_would_act_on_a_terminal_is_shown(self):
+        self.assertEqual(pinbox.plain("ok\ttab\nline"), "ok\ttab\nline")  # what does not act stays
+        self.assertEqual(pinbox.plain("a\x1b[2Jb\x07\x7f\x9b\r\n"), "a\\x1b[2Jb\\x07\\x7f\\x9b\n")
+        self.assertEqual(pinbox.plain("\u202egnp\u2066x\u2069\u200b"), "\\u202egnp\\u2066x\\u2069\u200b")
+        self.assertEqual(pinbox.plain("é 漢字 🙂"), "é 漢字 🙂")
+
+    def test_a_picture_is_known_by_its_first_bytes(self):
+        cases = {b"\x89PNG\r\n\x1a\n....": "image/png", b"\xff\xd8\xff\xe0": "image/jpeg", b"GIF87a": "image/gif",
+                 b"GIF89a": "image/gif", b"RIFF\0\0\0\0WEBPVP8 ": "image/webp", b"RIFF\0\0\0\0WAVEfmt ": None,
+                 b"<svg>": None, b"\x89PNG": None, b"": None}
+        self.assertEqual({head: pinbox.picture_kind(head) for head in cases}, cases)
+
+
+# ============================================================================
 # Pins and threads
 # ============================================================================
 
@@ -2009,6 +2059,28 @@ class TestFloods(HookCase):
                            self.WAITING - 3 * pinbox.HOOK_CAP)
 
 
+class TestArrivals(PinboxCase):
+    def test_a_session_collects_at_most_its_cap_a_pull_and_each_pin_once(self):
+        self.ok("init")
+        self.ok("session", "register", "--agent", "claude", "--key", "k-cap")
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        try:
+            store.conn.execute("BEGIN IMMEDIATE")
+            store.write = lambda: pinbox._NoTransaction(store)
+            for i in range(pinbox.HOOK_CAP + 30):  # each routed to the live session at once
+                pinbox.create_pin(store, {"text": "routed %d" % i})
+            store.conn.execute("COMMIT")
+            del store.write
+            rows = store.conn.execute("SELECT d.id, d.event_seq, e.type, e.payload FROM deliveries d JOIN events e "
+                                      "ON e.seq = d.event_seq ORDER BY d.id LIMIT 1").fetchall()
+            self.assertEqual(len(pinbox.Arrivals(store.conn, rows + rows).pins), 1)  # one pin, however often named
+        finally:
+            store.close()
+        first = self.ok("session", "inject", "--agent", "claude", "--key", "k-cap")["delivered"]
+        second = self.ok("session", "inject", "--agent", "claude", "--key", "k-cap")["delivered"]
+        self.assertEqual((first, second), (pinbox.HOOK_CAP, 30))
+
+
 class TestInjectAndStop(HookCase):
     def test_inject_raw_alone_previews_the_next_prompt_and_changes_nothing(self):
         """README's Start here shows `pinbox session inject --raw`: it once failed for want
@@ -2130,6 +2202,41 @@ class TestContextBudget(unittest.TestCase):
 # ============================================================================
 # Adapters and the delivery worker: pushing to agents that do not pull
 # ============================================================================
+
+class TestAgentsLeftRunning(unittest.TestCase):
+    def start(self):
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+        self.addCleanup(proc.wait)
+        self.addCleanup(lambda: proc.poll() is None and proc.kill())
+        return proc
+
+    def test_a_process_is_told_from_a_later_one_with_its_pid_and_from_its_corpse(self):
+        proc = self.start()
+        started = pinbox.process_start(proc.pid)
+        self.assertTrue(started)
+        self.assertEqual(pinbox.process_start(proc.pid), started)
+        proc.kill()
+        deadline = time.monotonic() + 10  # hang guard: until it is a zombie (not reaped yet)
+        while open("/proc/%d/stat" % proc.pid).read().rsplit(")", 1)[1].split()[0] != "Z":
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.01)
+        self.assertIsNone(pinbox.process_start(proc.pid))  # dead, though not yet reaped
+
+    def test_a_hub_ends_only_the_agents_a_dead_hub_wrote_down(self):
+        folder = tempfile.mkdtemp(prefix="pinbox-agents-")
+        self.addCleanup(shutil.rmtree, folder, True)
+        ours, other = self.start(), self.start()
+        pushes = pinbox.Pushes(folder)
+        pushes.started(ours)  # written down by a hub that is then killed
+        pinbox.write_file(os.path.join(folder, "%d.json" % other.pid),  # a pid since given to another process
+                          json.dumps({"pid": other.pid, "start": "0"}), private=True)
+        with unittest.mock.patch.object(pinbox.os, "killpg", wraps=os.killpg) as signalled:
+            pinbox.Pushes(folder).end_orphans()  # the next hub
+        self.assertIsNotNone(ours.wait(timeout=10))
+        self.assertEqual({call.args[0] for call in signalled.call_args_list}, {ours.pid})  # never the other one
+        self.assertIsNone(other.poll())
+        self.assertEqual(os.listdir(folder), [])
+
 
 def urllib_post(url, body, headers):
     from urllib.request import Request as HttpRequest, urlopen
@@ -3188,6 +3295,19 @@ def sync_event(device, clock, kind, data, at="2026-01-01T00:00:00.000Z"):
     return {"id": "%s.%d" % (device, clock), "clock": clock, "device": device, "type": kind, "at": at, "data": data}
 
 
+class TestSyncParts(unittest.TestCase):
+    def test_a_line_is_read_only_within_its_limit(self):
+        device = "dev_eveeveeve9"
+        good = json.dumps(sync_event(device, 1, "pin.created", new_pin_data("pin_limitlimi1"))).encode()
+        self.assertEqual(pinbox.read_event(good, device)[1], None)
+        padded = good[:-1] + b" " * (pinbox.EVENT_LINE_LIMIT - len(good)) + b"}"  # exactly at the limit: read
+        self.assertEqual(len(padded), pinbox.EVENT_LINE_LIMIT)
+        self.assertEqual(pinbox.read_event(padded, device)[0]["id"], device + ".1")
+        self.assertEqual(pinbox.read_event(padded + b" ", device),
+                         (None, "an event over %d bytes" % pinbox.EVENT_LINE_LIMIT))
+        self.assertEqual(pinbox.read_event(b"   ", device), (None, None))  # a blank line is nothing
+
+
 def new_pin_data(pin_id, text="a teammate's pin", **extra):
     return dict({"id": pin_id, "text": text, "kind": "note", "author": {"userId": "eve"},
                  "target": {"url": "http://localhost:5173/cart", "selector": "#buy"}}, **extra)
@@ -3549,22 +3669,32 @@ class TestSync(SyncCase):
             sync_event(eve, created_clock + 5, "thread.message", {"id": "msg_realonefr1", "pinId": made["id"],
                                                                   "role": "human", "text": "eve's fair reply"}),
         ])
+        # The same event twice in one batch, the second with another body; and a ref that names no device.
+        twice = sync_event(eve, created_clock + 6, "thread.message", {"id": "msg_twicetwic1", "pinId": made["id"],
+                                                                      "role": "human", "text": "once"})
+        push_batch(a.repo, eve, [twice, dict(twice, data=dict(twice["data"], text="twice"))],
+                   parent=git(self.remote, "rev-parse", "refs/pinbox/devices/" + eve))
+        push_batch(a.repo, "not-a-device", [sync_event(eve, created_clock + 7, "pin.created",
+                                                       new_pin_data("pin_nodevice01"))])
         b.sync()
         a.sync()
         for machine in (a, b):
             shown = machine.ok("show", made["id"])
             self.assertEqual(shown["pin"]["agentSession"]["key"], "ka", machine.name)
-            self.assertEqual([m["text"] for m in shown["thread"]], ["eve's fair reply"], machine.name)
+            self.assertEqual([m["text"] for m in shown["thread"]], ["eve's fair reply", "once"], machine.name)
+            self.assertNotIn("pin_nodevice01", [p["id"] for p in machine.ok("list")])
         reasons = [r[0] for r in a.sql("SELECT reason FROM sync_rejects ORDER BY id")]
-        self.assertEqual(len(reasons), 3, reasons)
-        self.assertTrue(any("predates" in r for r in reasons), reasons)
+        self.assertEqual(len(reasons), 5, reasons)
+        self.assertIn("it names %s, which it predates" % made["id"], reasons)  # (its clock is the pin's own)
+        self.assertIn("its clock %d steps back (%s is past %d)" % (created_clock + 6, eve, created_clock + 6), reasons)
+        self.assertIn("a ref that names no device", reasons)
         # Clocks only grow per device: eve's next batch steps back below what she sent.
         parent = git(a.repo, "rev-parse", "refs/pinbox/fetched/origin/" + eve)
         push_batch(a.repo, eve, [sync_event(eve, created_clock + 1, "thread.message", {
             "id": "msg_steppedbk1", "pinId": made["id"], "role": "human", "text": "stepped back"})], parent=parent)
         self.assertEqual(a.sync()["setAside"], 1)
         self.assertIn("steps back", a.sql("SELECT reason FROM sync_rejects ORDER BY id DESC LIMIT 1")[0][0])
-        self.assertEqual(len(a.ok("show", made["id"])["thread"]), 1)
+        self.assertEqual(len(a.ok("show", made["id"])["thread"]), 2)
 
     def test_a_campaign_of_hostile_events_between_valid_ones(self):
         """Teammates push batches that mix valid events with generated hostile ones (wrong
@@ -4750,6 +4880,7 @@ class TestHubWireFuzz(HubCase):
         for sock in (late, late_peer, fresh, fresh_peer):
             self.addCleanup(sock.close)
         now = time.monotonic()
+        self.assertEqual(pinbox.HEAD_DEADLINE_S, 30.0)  # as README says: the 30 s a kept-alive connection had
         server = types.SimpleNamespace(reading={late: now - pinbox.HEAD_DEADLINE_S - 1, fresh: now - 1})
         server.cut_readers = types.MethodType(pinbox.HubServer.cut_readers, server)
         pinbox.HubServer.service_actions(server)
@@ -5910,14 +6041,23 @@ class TestPageProxy(HubCase):
         self.assertNotIn(self.token.encode(), err)
 
     def test_every_html_answer_gets_the_toolbar_and_a_smuggled_body_is_refused(self):
+        def short(h):  # an HTML answer whose app goes away before the body it announced
+            h.send_response(200)
+            h.send_header("Content-Type", "text/html")
+            h.send_header("Content-Length", "200")
+            h.end_headers()
+            h.wfile.write(b"<body><p>cut</p></body></html>")
+            h.close_connection = True
         app, seen = fake_app(self, {"/": lambda h: send_plain(h, 200, b"<body><p>app</p></body></html>",
                                                               [("Content-Type", "text/html")]),
-                                    "/echo": lambda h: send_plain(h, 200, b"ok")})
+                                    "/echo": lambda h: send_plain(h, 200, b"ok"), "/short": short})
         port = self.open_app(app)
 
-        def exchange(head, body=b""):
+        def exchange(head, body=b"", half=False):
             sock = socket.create_connection(("127.0.0.1", port), timeout=20)
             sock.sendall(head.replace(b"\n", b"\r\n") + b"\r\n" + body)
+            if half:
+                sock.shutdown(socket.SHUT_WR)
             received = b""
             while True:
                 chunk = sock.recv(65536)
@@ -5939,14 +6079,19 @@ class TestPageProxy(HubCase):
                               (b"Transfer-Encoding: identity\n", b"GET /smuggled HTTP/1.1\r\n\r\n"),
                               (b"Content-Length: 3\nContent-Length: 20\n", b"abcGET /x HTTP/1.1\r\n\r\n"),
                               (b"Transfer-Encoding: chunked\n", b"zz\r\nabc\r\n0\r\n\r\n"),
-                              (b"Transfer-Encoding: chunked\n", b"3\r\nabcXY0\r\n\r\n")):
-            received = exchange(b"POST /echo HTTP/1.1\n" + host + framing, body)
+                              (b"Transfer-Encoding: chunked\n", b"3\r\nabcXY0\r\n\r\n"),
+                              (b"Transfer-Encoding: chunked\n", b"000000003\r\nabc\r\n0\r\n\r\n"),
+                              (b"Transfer-Encoding: chunked\n", b"3\r\nabc\r\n0\r\nX-Trailer: 1")):
+            received = exchange(b"POST /echo HTTP/1.1\n" + host + framing, body, half=True)
             self.assertTrue(received.startswith(b"HTTP/1.1 400 "), (framing, body, received[:80]))
         self.assertEqual([s[1] for s in seen[before:] if s[1] != "/echo"], [])  # nothing smuggled through
         good = exchange(b"POST /echo HTTP/1.1\n" + host + b"Transfer-Encoding: chunked\nConnection: close\n",
                         b"3\r\nabc\r\n0\r\n\r\n")
         self.assertTrue(good.startswith(b"HTTP/1.1 200 "), good[:80])
         self.assertEqual(seen[-1][1], "/echo")
+        cut = exchange(b"GET /short HTTP/1.1\n" + host + b"Connection: close\n")
+        self.assertIn(b"<p>cut</p>", cut)
+        self.assertNotIn(b"toolbar.js", cut)  # a page cut short passes as it came, never half a page with a tag
         self.assertNotIn(b"Traceback", open(os.path.join(self.repo, ".pinbox", "hub.log"), "rb").read()
                          if os.path.exists(os.path.join(self.repo, ".pinbox", "hub.log")) else b"")
         self.assertNotIn(b"Traceback", self.proc_stderr_so_far())
@@ -8139,6 +8284,8 @@ class TestHumanOutput(PinboxCase):
                 self.assertNotIn(char, text, name)
             self.assertIn("\\x1b", text, name)
         self.assertIn("\\x1b[2J\\x1b]0;pwned\\x07 button\\x0dX \\u202egnp.exe", outputs["show"])
+        error = self.human("sync", "--remote", "o\x1b[2J").err  # an error naming what was typed shows it too
+        self.assertEqual(error.splitlines()[0], "pinbox: no git remote named o\\x1b[2J")
         self.assertEqual(self.ok("show", pin["id"])["pin"]["text"], hostile)  # stored as it came
 
     def test_pin_list_show_summary_render_like_the_original(self):
