@@ -3716,7 +3716,7 @@ class TestSync(SyncCase):
         clock, clocks = [made_at], dict.fromkeys(devices, made_at)
         heads = dict.fromkeys(devices)
         valid_pins, valid_messages, hostile = [], [], 0
-        batches, per_batch = campaign(12, 40), campaign(50, 320)
+        batches, per_batch = campaign(8, 40), campaign(30, 320)
         new_id = lambda prefix: "%s_%s" % (prefix, "".join(rnd.choice("abcdefghijklmnopqrstuvwxyz0123456789")
                                                            for _ in range(10)))
 
