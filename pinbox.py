@@ -8365,13 +8365,18 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     .marker:hover { transform: scale(1.12); background: var(--accent2); }
     .marker.resolved { background: #2b8a3e; }
     .marker.resolved:hover { background: #237032; }
+    a.small { color: var(--accent); }
+    .shot-frame { margin: 4px 0; padding: 6px; border: 1px dashed var(--line); border-radius: 6px; background: var(--soft); }
+    .shot-frame img { display: block; max-width: 100%; pointer-events: none; }
+    .shot-frame figcaption { font-size: 11px; color: var(--muted); margin-top: 4px; }
     .panel { position: fixed; background: var(--bg); border: 1px solid var(--line); border-radius: 10px; box-shadow: 0 8px 28px rgba(0,0,0,.22);
       display: flex; flex-direction: column; gap: 8px; padding: 10px 12px 12px; }
     /* Narrow windows (a phone's, a docked devtools') keep every panel, and its buttons, on screen. */
     .composer { width: min(340px, calc(100vw - 24px)); }
-    .thread { right: 16px; top: 16px; width: min(360px, calc(100vw - 32px)); max-height: calc(100vh - 96px); }
-    .drawer { left: 16px; top: 16px; width: min(400px, calc(100vw - 32px)); max-height: calc(100vh - 32px); }
-    .help { right: 16px; bottom: 80px; width: min(340px, calc(100vw - 32px)); }
+    /* The list, a thread and the keys open in one place: by the pin button (placePanel). */
+    .thread { width: min(360px, calc(100vw - 32px)); }
+    .drawer { width: min(400px, calc(100vw - 32px)); }
+    .help { width: min(340px, calc(100vw - 32px)); }
     .help dl { display: grid; grid-template-columns: auto 1fr; gap: 4px 10px; margin: 0; }
     .help dd { margin: 0; color: var(--muted); }
     kbd { font: 11px ui-monospace, Menlo, monospace; border: 1px solid var(--line); border-bottom-width: 2px; border-radius: 4px; padding: 0 4px; background: var(--soft); }
@@ -9245,7 +9250,9 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     if (!ui.layer) return;
     placeOverlay(state.picking ? state.hover : state.picked, !state.picking);
     placeSelection();
-    // Markers sit on the element's top-right corner; pins on the same spot fan out leftwards.
+    for (const panel of [ui.drawer, ui.thread, ui.help]) if (panel) placePanel(panel);
+    // Markers sit just above the element's top-right corner (below it at the page's top),
+    // never on it; pins on the same spot fan out leftwards.
     const used = new Map();
     for (const m of ui.markers.children) {
       const pin = state.pins.get(m.getAttribute('data-pin-id'));
@@ -9255,8 +9262,8 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       const key = Math.round(r.right) + ',' + Math.round(r.top);
       const nth = used.get(key) || 0;
       used.set(key, nth + 1);
-      const left = Math.min(Math.max(r.right - 12 - nth * 26, 2), innerWidth - 26);
-      const top = Math.min(Math.max(r.top - 12, 2), innerHeight - 26);
+      const left = Math.min(Math.max(r.right - 24 - nth * 26, 2), innerWidth - 26);
+      const top = Math.min(r.top >= 28 ? r.top - 26 : r.bottom + 2, innerHeight - 26);
       m.style.left = left + 'px';
       m.style.top = top + 'px';
       m.hidden = false;
@@ -9273,6 +9280,21 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       ui.composer.style.left = left + 'px';
       ui.composer.style.top = top + 'px';
     }
+  }
+
+  // A panel opens by the pin button, above it when there is more room above (below it
+  // otherwise), right edges together, inside the window whatever its size.
+  // Held by the edge that faces the button, so a panel that grows (pictures loading, a
+  // new reply) grows away from it and never past the window.
+  function placePanel(panel) {
+    const home = ui.toggle.getBoundingClientRect();
+    const above = home.top - 18, below = innerHeight - home.bottom - 18;
+    const up = above >= below;
+    panel.style.maxHeight = Math.max(160, up ? above : below) + 'px';
+    const w = panel.offsetWidth;
+    panel.style.left = Math.min(Math.max(home.right - w, 8), Math.max(innerWidth - w - 8, 8)) + 'px';
+    panel.style.top = up ? 'auto' : home.bottom + 10 + 'px';
+    panel.style.bottom = up ? innerHeight - home.top + 10 + 'px' : 'auto';
   }
 
   let framePending = false;
@@ -9366,6 +9388,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       ui.meta, ui.progress, ui.list, ui.reply,
       h('div', { class: 'actions' }, ui.statusButton, ui.send));
     ui.layer.append(ui.thread);
+    placePanel(ui.thread);
     renderThreadMeta();
     renderProgress();
     const speakers = refreshProgress(id);  // never rejects
@@ -9390,8 +9413,16 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     state.messages = [];
   }
 
-  function attachmentView(a) {
-    if (a && a.url && (!a.contentType || String(a.contentType).startsWith('image/'))) return authImage(a.url, a.path || 'attachment');
+  // A picture in a thread is framed and named as one (it is no button of the page): what
+  // it shows, under it.
+  function attachmentView(a, i, all) {
+    if (a && a.url && (!a.contentType || String(a.contentType).startsWith('image/'))) {
+      const shots = (all || []).filter((x) => x && x.kind === 'screenshot');
+      const label = a.kind === 'file' ? 'Image added' : shots.length > 1 && shots.indexOf(a) === 0 ? 'Picture of the page'
+        : 'Picture of the element';
+      return h('figure', { class: 'shot-frame', 'data-pinbox': 'picture' }, authImage(a.url, label),
+        h('figcaption', null, label));
+    }
     return h('div', { class: 'note' }, 'attachment: ' + ((a && (a.path || a.id)) || '?'));
   }
 
@@ -9510,6 +9541,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
         h('button', { type: 'button', class: 'x', 'aria-label': 'Close the list', onclick: closeDrawer }, TIMES)),
       ui.tabs, ui.search, ui.drawerList);
     ui.layer.append(ui.drawer);
+    placePanel(ui.drawer);
     renderDrawer();
     refreshProgress();
     ui.search.focus();
@@ -9651,6 +9683,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
         h('button', { type: 'button', class: 'x', 'aria-label': 'Close the keys', onclick: closeHelp }, TIMES)),
       h('dl', null, KEYS.map(([k, v]) => [h('dt', null, h('kbd', null, k)), h('dd', null, v)])));
     ui.layer.append(ui.help);
+    placePanel(ui.help);
     ui.help.querySelector('button').focus();
   }
 

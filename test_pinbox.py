@@ -8832,7 +8832,8 @@ class TestToolbarInChromium(HubCase):
         git_commit(self.repo, "Fix shipping row\n\nFixes: %s" % pin["id"], "fix.txt", env=self.env)
         self.assertEqual(self.ok("show", pin["id"])["pin"]["status"], "resolved")
         b.wait_for("(%s).dataset.status === 'resolved'" % marker, 2.0)
-        self.assertEqual(b.evaluate("getComputedStyle(%s).backgroundColor" % marker), "rgb(43, 138, 62)")
+        b.mouse("mouseMoved", 5, 790)  # off the marker it clicked: its own colour, not its hover's
+        b.wait_for("getComputedStyle(%s).backgroundColor === 'rgb(43, 138, 62)'" % marker)
         b.key("Escape", 27)
         b.wait_for("!(%s)" % self.shadow('[data-pinbox="thread"]'))
         shots = os.path.join(os.environ.get("TMPDIR", "/tmp"), "pinbox-test-artifacts")
@@ -9324,6 +9325,38 @@ class TestToolbarInChromium(HubCase):
         self.assertEqual(b.evaluate(self.in_shadow("Array.from(root.querySelectorAll('.toast')).map(t => "
                                                    "t.textContent).join()")), "")
         self.artifact("drawer-every-shape.png")
+        # The list, a thread and the keys open in one place: by the pin button, whatever the window.
+        near = ("(() => { const root = document.getElementById('pinbox-toolbar-host').shadowRoot; "
+                "const p = root.querySelector(%s).getBoundingClientRect(), "
+                "t = root.querySelector('[data-pinbox=\"toggle\"]').getBoundingClientRect(); "
+                "return Math.abs(p.right - t.right) <= 1 && p.bottom <= t.top && p.left >= 0 && p.top >= 0; })()")
+        folder = os.path.join(os.environ.get("TMPDIR", "/tmp"), "pinbox-test-artifacts")
+        for width, scheme in ((1280, "light"), (390, "light"), (1280, "dark"), (390, "dark")):
+            b.call("Emulation.setDeviceMetricsOverride", {"width": width, "height": 800, "deviceScaleFactor": 1,
+                                                          "mobile": width < 600}, page=True)
+            b.call("Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": scheme}]},
+                   page=True)
+            b.wait_for(near % json.dumps('[data-pinbox="drawer"]'))
+            b.screenshot(os.path.join(folder, "list-%d-%s.png" % (width, scheme)))
+        b.call("Emulation.setDeviceMetricsOverride", {"width": 1280, "height": 800, "deviceScaleFactor": 1,
+                                                      "mobile": False}, page=True)
+        b.wait_for("innerWidth === 1280 && " + near % json.dumps('[data-pinbox="drawer"]'))
+        b.click_at(toolbar_element('[data-pinbox="drawer-pin"]'))  # this page's pin: its thread opens
+        b.wait_for(near % json.dumps('[data-pinbox="thread"]'))
+        for width, scheme in ((1280, "light"), (390, "dark")):
+            b.call("Emulation.setDeviceMetricsOverride", {"width": width, "height": 800, "deviceScaleFactor": 1,
+                                                          "mobile": width < 600}, page=True)
+            b.call("Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": scheme}]},
+                   page=True)
+            b.wait_for(near % json.dumps('[data-pinbox="thread"]'))
+            b.screenshot(os.path.join(folder, "thread-%d-%s.png" % (width, scheme)))
+        # A marker never covers the element it marks.
+        self.assertFalse(b.evaluate(
+            "(() => { const m = document.getElementById('pinbox-toolbar-host').shadowRoot.querySelector("
+            "'[data-pinbox=\"marker\"]').getBoundingClientRect(), e = document.querySelector('h1')"
+            ".getBoundingClientRect(); return m.left < e.right && m.right > e.left && m.top < e.bottom && "
+            "m.bottom > e.top; })()"))
+        b.key("Escape")
         # The composer says how to send without a look at the keys.
         b.key("Escape")
         b.key("p", 80)

@@ -98,9 +98,15 @@ def project(workdir, name, env):
 
 
 def bench_env(workdir):
+    """A fresh HOME with this pinbox installed on PATH (`pinbox install`), as a person
+    has it: the hooks `init` writes for a team run the `pinbox` on PATH."""
     env = dict(os.environ, HOME=workdir, XDG_STATE_HOME=os.path.join(workdir, "state"), PINBOX_NO_SPAWN="1")
     for name in [n for n in env if n.startswith(("CLAUDE", "CODEX_", "HERMES_", "PINBOX_SESSION", "GIT_"))]:
         del env[name]
+    folder = os.path.join(workdir, "bin")
+    subprocess.run([sys.executable, os.path.join(ROOT, "pinbox.py"), "install", "--dir", folder], env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env["PATH"] = folder + os.pathsep + env.get("PATH", os.defpath)
     return env
 
 
