@@ -8424,6 +8424,8 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     .item-open .n { font-weight: 700; color: var(--accent); }
     .item-main { flex: 1; min-width: 0; display: flex; flex-direction: column; gap: 2px; }
     .item-open img { width: 64px; height: 42px; object-fit: cover; border-radius: 4px; border: 1px solid var(--line); }
+    .item-open .thumbbox { position: relative; flex: none; width: 64px; height: 42px; overflow: hidden; border-radius: 4px; border: 1px solid var(--line); }
+    .item-open .thumbbox img { position: absolute; max-width: none; height: auto; border: 0; border-radius: 0; object-fit: fill; }
     .offline { position: fixed; right: 76px; bottom: 30px; background: var(--bad); color: #fff; padding: 4px 10px; border-radius: 12px; font-size: 12px; }
     .offscreen { position: fixed; left: -9999px; top: 0; width: 1px; height: 1px; }
     .empty { color: var(--muted); font-style: italic; }
@@ -8650,6 +8652,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       selector: selectorFor(el),
       tag: el.tagName.toLowerCase(),
       rect: { x: round(r.left + scrollX), y: round(r.top + scrollY), width: round(r.width), height: round(r.height) },
+      spot: { x: round(r.left + r.width / 2), y: round(r.top + r.height / 2) },  // its centre in the page's picture
       context: { nearbyText: nearbyText(el), classes: Array.from(el.classList).slice(0, 20) },
     };
   }
@@ -9161,6 +9164,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       if (!onThisPage(pin)) continue;
       const resolved = pin.status === 'resolved';
       if (!resolved) open++;
+      if (!Array.isArray((pin.target || {}).targets || [])) continue;  // a shape this toolbar cannot mark
       const label = 'Pin ' + (pin.n || '') + ' (' + (resolved ? 'resolved' : 'open') + '): ' + collapse(pin.text).slice(0, 80);
       targetsOf(pin).forEach((t, part) => {
         const key = pin.id + '/' + part;
@@ -9257,7 +9261,8 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     for (const m of ui.markers.children) {
       const pin = state.pins.get(m.getAttribute('data-pin-id'));
       const t = pin && targetsOf(pin)[Number(m.getAttribute('data-part'))];
-      const r = t && targetRect(t);
+      let r = null;
+      try { r = t && targetRect(t); } catch (err) { r = null; }  // one it cannot place hides, not the others
       if (!r || r.bottom < -12 || r.top > innerHeight + 12) { m.hidden = true; continue; }
       const key = Math.round(r.right) + ',' + Math.round(r.top);
       const nth = used.get(key) || 0;
@@ -9597,6 +9602,24 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     }
   }
 
+  // A list thumbnail shows the element in its surroundings: the page's picture, moved and
+  // scaled so the element (outlined in it) sits in the middle; the element alone when the
+  // pin has no picture of its page.
+  function thumbnail(pin, shots) {
+    const t = pin.target || {}, vp = (pin.env || {}).viewport, page = shots.length > 1 ? shots[0] : null;
+    const ok = (v) => typeof v === 'number' && isFinite(v);
+    if (!page || !t.spot || !ok(t.spot.x) || !ok(t.spot.y) || !vp || !ok(vp.w) || vp.w <= 0) {
+      return authImage(shots[shots.length - 1].url, 'picture of pin ' + pin.n);
+    }
+    const W = 64, H = 42, across = Math.max(((t.rect && t.rect.width) || 0) * 2.5, 200);
+    const s = Math.min(1, W / across);
+    const img = authImage(page.url, 'pin ' + pin.n + ' on its page');
+    img.style.width = vp.w * s + 'px';
+    img.style.left = W / 2 - t.spot.x * s + 'px';
+    img.style.top = H / 2 - t.spot.y * s + 'px';
+    return h('span', { class: 'thumbbox', 'data-pinbox': 'thumb' }, img);
+  }
+
   function drawerItem(pin) {
     const here = onThisPage(pin);
     const last = (state.progress[pin.id] || {}).lastMessage;
@@ -9611,7 +9634,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
         h('code', null, where(pin)),
         h('div', { class: 'note' }, owner),
         last ? h('div', { class: 'note last' }, last.role + ': ' + collapse(last.text).slice(0, 100)) : null),
-      shot.length ? authImage(shot[shot.length - 1].url, 'screenshot of pin ' + pin.n) : null];
+      shot.length ? thumbnail(pin, shot) : null];
     const open = here
       ? h('button', { type: 'button', class: 'item-open', 'data-pinbox': 'drawer-pin', 'data-pin-id': pin.id,
         onclick: () => { closeDrawer(); flash(pin); openThread(pin.id); } }, body)

@@ -8890,14 +8890,28 @@ class TestToolbarInChromium(HubCase):
         with open(own, "wb") as handle:
             handle.write(make_png(30, 20, (250, 200, 0)))
         b.set_files(toolbar_element('[data-pinbox="attach"]'), [own])
-        b.click_at(toolbar_element('[data-pinbox="comment"]'))
+        preview = toolbar_element(".preview")
+        b.wait_for("!(%s).hidden && (%s).complete && (%s).naturalWidth > 0" % (preview, preview, preview))
+        b.click_at(toolbar_element('[data-pinbox="comment"]'))  # (the composer has its final size by now)
         b.type_text("Heading font")
-        b.click_at(toolbar_element('[data-pinbox="submit"]'))
+        b.key("Enter", modifiers=b.CTRL)
         pins = self.wait_pins(lambda pins: len(pins) == 2 and pins[0].get("attachments"))
         self.assertEqual([p["text"] for p in pins], ["Heading font", "Buy button is too loud"])
         self.assertEqual([a["kind"] for a in pins[0]["attachments"]], ["file"])  # no screenshot, and not called one
         b.allow_clipboard(self.site)
         b.key("i")
+        # The list's thumbnail is the page's picture, the element in the middle of it.
+        spot = pins[1]["target"]["spot"]
+        centre = b.evaluate("(() => { const r = document.getElementById('buy').getBoundingClientRect(); "
+                            "return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        self.assertEqual((abs(spot["x"] - centre[0]) <= 1, abs(spot["y"] - centre[1]) <= 1), (True, True), spot)
+        thumb = toolbar_element('[data-pin-id="%s"] [data-pinbox="thumb"] img' % pins[1]["id"])
+        b.wait_for("!!(%s) && (%s).complete && (%s).naturalWidth > 0" % (thumb, thumb, thumb))
+        self.assertEqual(b.evaluate("(%s).alt" % thumb), "pin %d on its page" % pins[1]["n"])
+        centre = b.evaluate("(() => { const i = %s, s = parseFloat(i.style.width) / %d; return [parseFloat(i.style.left)"
+                            " + %d * s, parseFloat(i.style.top) + %d * s]; })()" % (thumb, pins[1]["env"]["viewport"]["w"],
+                                                                                    spot["x"], spot["y"]))
+        self.assertEqual([round(v) for v in centre], [32, 21])
         for pin, label in ((pins[0], "Image"), (pins[1], "Screenshot")):
             b.click_at(toolbar_element('[data-pinbox="copy-pin"][data-pin-id="%s"]' % pin["id"]))
             b.wait_for("navigator.clipboard.readText().then(t => t.includes(%s))"
