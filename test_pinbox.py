@@ -925,6 +925,13 @@ class Chromium:
 
     SHIFT, CTRL = 8, 2  # CDP modifier bits
 
+    def emulate(self, width, scheme="light", height=800):
+        """The window `width` CSS pixels wide (a phone's below 600), its system in `scheme`."""
+        self.call("Emulation.setDeviceMetricsOverride", {"width": width, "height": height, "deviceScaleFactor": 1,
+                                                         "mobile": width < 600}, page=True)
+        self.call("Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": scheme}]},
+                  page=True)
+
     def mouse(self, kind, x, y, modifiers=0):
         self.call("Input.dispatchMouseEvent", {"type": kind, "x": x, "y": y, "button": "left", "clickCount": 1,
                                                "modifiers": modifiers}, page=True)
@@ -9346,22 +9353,15 @@ class TestToolbarInChromium(HubCase):
                 "return Math.abs(p.right - t.right) <= 1 && p.bottom <= t.top && p.left >= 0 && p.top >= 0; })()")
         folder = os.path.join(os.environ.get("TMPDIR", "/tmp"), "pinbox-test-artifacts")
         for width, scheme in ((1280, "light"), (390, "light"), (1280, "dark"), (390, "dark")):
-            b.call("Emulation.setDeviceMetricsOverride", {"width": width, "height": 800, "deviceScaleFactor": 1,
-                                                          "mobile": width < 600}, page=True)
-            b.call("Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": scheme}]},
-                   page=True)
+            b.emulate(width, scheme, 800)
             b.wait_for(near % json.dumps('[data-pinbox="drawer"]'))
             b.screenshot(os.path.join(folder, "list-%d-%s.png" % (width, scheme)))
-        b.call("Emulation.setDeviceMetricsOverride", {"width": 1280, "height": 800, "deviceScaleFactor": 1,
-                                                      "mobile": False}, page=True)
+        b.emulate(1280)
         b.wait_for("innerWidth === 1280 && " + near % json.dumps('[data-pinbox="drawer"]'))
         b.click_at(toolbar_element('[data-pinbox="drawer-pin"]'))  # this page's pin: its thread opens
         b.wait_for(near % json.dumps('[data-pinbox="thread"]'))
         for width, scheme in ((1280, "light"), (390, "dark")):
-            b.call("Emulation.setDeviceMetricsOverride", {"width": width, "height": 800, "deviceScaleFactor": 1,
-                                                          "mobile": width < 600}, page=True)
-            b.call("Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": scheme}]},
-                   page=True)
+            b.emulate(width, scheme, 800)
             b.wait_for(near % json.dumps('[data-pinbox="thread"]'))
             b.screenshot(os.path.join(folder, "thread-%d-%s.png" % (width, scheme)))
         # A marker never covers the element it marks.
@@ -9737,10 +9737,7 @@ class TestToolbarInChromium(HubCase):
         folder = os.path.join(os.environ.get("TMPDIR", "/tmp"), "pinbox-test-artifacts")
         os.makedirs(folder, exist_ok=True)
         for width, scheme in ((1280, "light"), (390, "light"), (1280, "dark"), (390, "dark")):
-            b.call("Emulation.setDeviceMetricsOverride", {"width": width, "height": 900, "deviceScaleFactor": 1,
-                                                          "mobile": width < 600}, page=True)
-            b.call("Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": scheme}]},
-                   page=True)
+            b.emulate(width, scheme, 900)
             self.assertLessEqual(b.evaluate("document.documentElement.scrollWidth"), width)  # nothing off the side
             b.screenshot(os.path.join(folder, "overview-%d-%s.png" % (width, scheme)))
         self.assertEqual(b.evaluate("getComputedStyle(document.body).backgroundColor"), "rgb(22, 24, 29)")
