@@ -917,7 +917,12 @@ class Chromium:
     def wait_for(self, expression, timeout=5.0):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            value = self.evaluate(expression)
+            try:
+                value = self.evaluate(expression)
+            except RuntimeError as exc:  # asked while the page navigates (a reload): ask the new page
+                if "navigated or closed" not in str(exc) and "context" not in str(exc):
+                    raise
+                value = None
             if value:
                 return value
             time.sleep(0.05)
