@@ -2556,7 +2556,10 @@ class Parked:
     this wait, open both ways (so a poll sleeps until a poster writes to it)."""
 
     def __init__(self, folder, session_id):
-        os.makedirs(folder, exist_ok=True)
+        try:
+            os.mkdir(folder, 0o700)  # (not makedirs: a store's folder removed meanwhile stays removed)
+        except FileExistsError:
+            pass
         self.path = os.path.join(folder, "%s.%d.%s" % (session_id, os.getpid(), os.urandom(5).hex()))
         os.mkfifo(self.path, 0o600)
         self.fd = os.open(self.path, os.O_RDWR + os.O_NONBLOCK)
@@ -2588,7 +2591,10 @@ def wait_for_mail(borrow, session, timeout, cancelled=None):
     no connection (and no file descriptors) while they sleep."""
     deadline = time.monotonic() + timeout
     with borrow() as store:
-        parked = Parked(wait_folder(store), session["id"])
+        try:
+            parked = Parked(wait_folder(store), session["id"])
+        except FileNotFoundError:
+            return "cut"  # the store's folder went away while the FIFO was being made
     try:
         while True:
             with borrow() as store:

@@ -2862,6 +2862,31 @@ class TestCommitResolution(PinboxCase):
 # Inbox
 # ============================================================================
 
+class TestInboxWaitCutShort(unittest.TestCase):
+    def test_a_store_removed_while_a_wait_parks_cuts_it_short(self):
+        """The FIFO was made, then .pinbox removed before it was opened: `inbox --wait`
+        exited 1 (E_INTERNAL) instead of 2, the documented answer to a wait cut short."""
+        import contextlib
+        tmp = tempfile.mkdtemp(prefix="pinbox-parked-")
+        self.addCleanup(shutil.rmtree, tmp, True)
+        folder = os.path.join(tmp, ".pinbox")
+        store = pinbox.Store(folder)
+        self.addCleanup(store.close)
+        with store.write() as conn:
+            session = pinbox.upsert_session(conn, "claude", "k-parked", tmp)[0]
+        real_mkfifo = os.mkfifo
+
+        def mkfifo_then_gone(path, mode):
+            real_mkfifo(path, mode)
+            shutil.rmtree(folder)  # `rm -rf .pinbox` lands right here
+
+        borrow = contextlib.contextmanager(lambda: (yield store))
+        with unittest.mock.patch.object(pinbox.os, "mkfifo", mkfifo_then_gone):
+            self.assertEqual(pinbox.wait_for_mail(borrow, session, 5), "cut")
+        self.assertFalse(os.path.exists(folder))  # and nothing made it again
+        self.assertEqual(pinbox.wait_for_mail(borrow, session, 5), "cut")  # nor a wait begun after
+
+
 class TestInbox(HookCase):
     def setUp(self):
         super().setUp()
