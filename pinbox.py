@@ -1466,14 +1466,14 @@ def insert_delivery(conn, seq, pin_id, session_id, adapter, status, due_at=None)
                  (seq, pin_id, session_id, adapter, status, due_at, iso_time()))
 
 
-def claim_unassigned(conn, session, limit=None):
+def claim_unassigned(conn, session):
     """Rows that waited for any session go to this one (or, if their pin was bound
     meanwhile, to its session); their pins are bound. Only open pins have such rows
     (a resolution drops them), so a prompt binds what its context shows, however many
-    pins were resolved before any session came. At most `limit` rows, newest first (the
+    pins were resolved before any session came. At most HOOK_CAP rows, newest first (the
     pins a context lists first); the rest wait for the next hook."""
     rows = conn.execute("SELECT id, pin_id FROM deliveries WHERE session_id IS NULL AND status = 'pending' "
-                        "ORDER BY id DESC LIMIT ?", (HOOK_CAP if limit is None else limit,)).fetchall()
+                        "ORDER BY id DESC LIMIT ?", (HOOK_CAP,)).fetchall()
     for row_id, pin_id in rows:
         pin = find_pin(conn, pin_id) if pin_id else None
         if pin is None:
@@ -1522,6 +1522,12 @@ def open_pins(conn, limit=-1):
     return [json_loads(raw) for (raw,) in conn.execute(
         "SELECT json FROM pins WHERE status = 'open' AND json_extract(json, '$.agentSession.device') IS NULL "
         "ORDER BY n DESC, rowid DESC LIMIT ?", (limit,))]
+
+
+def newest_open_pins(conn):
+    """(the newest HOOK_CAP open pins an agent here is shown, how many are open)."""
+    pins = open_pins(conn, HOOK_CAP)
+    return pins, count_open_pins(conn) if len(pins) == HOOK_CAP else len(pins)
 
 
 def count_open_pins(conn):
@@ -1573,8 +1579,7 @@ def pull_for_session(store, agent, key, cwd=None):
         rows = pending_pulls(conn, session["id"], HOOK_CAP)
         arrivals = Arrivals(conn, rows)
         mark_delivered(conn, [r[0] for r in rows])
-        pins = open_pins(conn, HOOK_CAP)
-        total = count_open_pins(conn) if len(pins) == HOOK_CAP else len(pins)
+        pins, total = newest_open_pins(conn)
     return session, pins, total, arrivals, len(rows)
 
 
@@ -1731,8 +1736,8 @@ def flat(text):
     pinbox's own."""
     out = []
     for ch in text:
-        out.append(" ⏎ " if ch in LINE_BREAKS else plain(ch) if ch != "\t" else " ")
-    return "".join(out).replace(" ⏎  ⏎ ", " ⏎ ")
+        out.append(" ⏎ " if ch in LINE_BREAKS else " " if ch == "\t" else ch)
+    return plain("".join(out)).replace(" ⏎  ⏎ ", " ⏎ ")  # (one plain() a line: it runs on every prompt)
 
 
 def fenced(text):
@@ -2656,10 +2661,6 @@ def set_sync_settings(conn, **values):
                      "value = excluded.value", [(k, str(v)) for k, v in values.items()])
 
 
-def event_order(event):
-    return event["clock"], event["device"], event["id"]
-
-
 def is_remote(ref):
     """Whether a pin's binding names a session on another machine: only an imported
     binding carries the device it was made on."""
@@ -3085,7 +3086,8 @@ def apply_imported(store, ref_heads, batches, device, set_aside=()):
             known = conn.execute("SELECT body FROM sync_events WHERE id = ?", (event["id"],)).fetchone()
             if known:
                 if not same_event(json_loads(known[0]), event):
-                    rejects.append((ref, sha, event["id"], "it would replace an event already imported", ""))
+                    rejects.append((ref, sha, event["id"], "it would replace an event already imported",
+                                    dumps_compact(event)[:2000]))
                 continue
             if event["device"] not in tops:
                 tops[event["device"]] = conn.execute("SELECT COALESCE(MAX(clock), 0) FROM sync_events WHERE device = ?",
@@ -3818,11 +3820,11 @@ ROUTES = (
 # ============================================================================
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
-# The demo page holds no secret: it reads the token from its own URL's fragment.
 # What only this machine's processes may ask (the local token): what registers or ends a
 # session, speaks as one, or makes the hub fetch another site; a page's token gets 403.
 LOCAL_ROUTES = (r_register, r_end_session, r_inject, r_pending, r_inbox_post, r_inbox_read, r_inbox_ack,
                 r_inbox_summary, r_open_proxy)
+# The demo page holds no secret: it reads the token from its own URL's fragment.
 PUBLIC_ROUTES = (("GET", "/health"), ("GET", "/toolbar.js"), ("GET", "/"), ("GET", "/demo"))
 TOKEN_IN_QUERY = ("/stream", "/ws")  # EventSource and WebSocket cannot send headers
 MAX_CONNECTIONS = 512
@@ -3917,15 +3919,24 @@ class Hub:
 
     def rename_proxied_pins(self):
         """Pins stored with a page proxy's address (before pins named their app) get the
-        app's, once: as they are shown, copied, synced and given to agents."""
-        with self.store() as store, store.write() as conn:
-            for pin_id, raw in conn.execute("SELECT id, json FROM pins WHERE json_extract(json, '$.target.url') "
-                                            "LIKE 'http://localhost:%' OR json_extract(json, '$.target.url') LIKE "
-                                            "'http://127.0.0.1:%'").fetchall():
-                pin = json_loads(raw)
+        app's, once: as they are shown, copied, synced and given to agents. Read first,
+        written only when there is one (this runs at every start)."""
+        if not proxy_ports(self.root):
+            return
+        with self.store() as store:
+            with store.guard():
+                rows = store.conn.execute("SELECT json FROM pins WHERE json_extract(json, '$.target.url') LIKE "
+                                          "'http://localhost:%' OR json_extract(json, '$.target.url') LIKE "
+                                          "'http://127.0.0.1:%'").fetchall()
+            renamed = []
+            for pin in map(json_loads, (r[0] for r in rows)):
                 target = self.app_target(pin["target"])
                 if target is not pin["target"]:
-                    _save_pin(conn, dict(pin, target=target))
+                    renamed.append(dict(pin, target=target))
+            if renamed:
+                with store.write() as conn:
+                    for pin in renamed:
+                        _save_pin(conn, pin)
 
     def restore_proxies(self):
         """The page proxies of earlier hubs, on their ports again: a tab left open on one,
@@ -4213,7 +4224,6 @@ class HubHandler(ReadsWithDeadline):
 
     def log_message(self, *args):
         pass  # nothing is logged: request lines carry tokens in query strings
-
 
     def do_GET(self):
         self.handle_one("GET")
@@ -5447,10 +5457,11 @@ def pin_brief(pin):
     apart from other files)."""
     target = pin.get("target") or {}
     paths = [a["path"] for a in pin.get("attachments") or () if isinstance(a, dict) and a.get("path")]
+    pictures = [p for p in paths if picture_type(p)]
     return ordered({"id": pin["id"], "n": pin.get("n"), "status": pin.get("status"), "text": pin.get("text"),
                     "where": pin_locus(pin), "others": [t.get("selector") for t in target.get("targets") or ()] or None,
-                    "page": target.get("url"), "screenshots": [p for p in paths if picture_type(p)] or None,
-                    "files": [p for p in paths if not picture_type(p)] or None,
+                    "page": target.get("url"), "screenshots": pictures or None,
+                    "files": [p for p in paths if p not in pictures] or None,
                     "agentSession": pin.get("agentSession"), "createdAt": pin.get("createdAt")},
                    ("id", "n", "status", "text"))
 
@@ -5844,6 +5855,9 @@ MCP_METHODS = {"server/discover": "m_discover", "ping": "m_ping", "tools/list": 
 
 HOOK_TIMEOUT_S = 0.5  # a hook gives up on a locked store fast: the agent or commit goes on
 
+HOOK_FIELDS = ("session_id", "cwd", "hook_event_name")  # what pinbox reads of a hook's payload
+
+
 def read_hook_payload():
     """The agent's hook payload: a JSON object on stdin."""
     data = b"" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.buffer.read()
@@ -5858,9 +5872,6 @@ def read_hook_payload():
         if isinstance(payload.get(field), str):
             validate(payload[field], "string", "hook payload " + field)
     return payload
-
-
-HOOK_FIELDS = ("session_id", "cwd", "hook_event_name")
 
 
 HERMES_EVENTS = ("on_session_start", "pre_llm_call", "on_session_end", "on_session_finalize")
@@ -6280,11 +6291,11 @@ def plan_claude(root, uninstall=False, trust=False):
     if fallback or os.path.exists(local):
         plans.append(plan_json_settings("claude-local", local, "claude", CLAUDE_HOOKS, not fallback,
                                         command=local_fallback_command))
-        exclude = os.path.join(git_dir(root) or os.path.join(root, ".git"), "info", "exclude")
-        if fallback and git_dir(root) and git_output(["check-ignore", "-q", local], root) is None:
-            # Kept out of git on this machine only (.git/info/exclude is nobody else's).
-            plans.append(marked_block_plan("claude-local-ignore", exclude, "# >>> pinbox", "# <<< pinbox",
-                                           "/.claude/settings.local.json\n", False))
+    folder = git_dir(root) if fallback else None
+    if folder and git_output(["check-ignore", "-q", local], root) is None:
+        # Kept out of git on this machine only (.git/info/exclude is nobody else's).
+        plans.append(marked_block_plan("claude-local-ignore", os.path.join(folder, "info", "exclude"),
+                                       "# >>> pinbox", "# <<< pinbox", "/.claude/settings.local.json\n", False))
     if fallback:
         plans[0].notes.append(PATH_NOTE % (shared, "; until then this machine uses its own, in %s" % local))
     return plans
@@ -7442,7 +7453,6 @@ def probe_sessions(ctx):
                                               relative_age(newest.get("lastSeenAt")))
 
 
-
 def probe_sync(ctx):
     status = sync_status(ctx.reader)
     if not status["enabled"]:
@@ -7514,7 +7524,10 @@ def cmd_stop(ctx):
         data = read_hub_json(path)
         if data and pid_alive(data["pid"]) and " serve" in (command_output(["ps", "-o", "args=", "-p",
                                                                              str(data["pid"])]) or ""):
-            os.kill(data["pid"], signal.SIGTERM)
+            try:
+                os.kill(data["pid"], signal.SIGTERM)
+            except ProcessLookupError:
+                continue  # it ended meanwhile
             stopped.append({"pid": data["pid"], "port": data["port"], "project": data.get("project")})
     deadline = time.monotonic() + 15
     while any(pid_alive(s["pid"]) for s in stopped) and time.monotonic() < deadline:
@@ -7627,8 +7640,7 @@ def preview_context(ctx):
     no session registered, nothing claimed or marked delivered."""
     with ctx.reader.guard():
         conn = ctx.reader.conn
-        pins = open_pins(conn, HOOK_CAP) if ctx.reader.exists else []
-        total = count_open_pins(conn) if len(pins) == HOOK_CAP else len(pins)
+        pins, total = newest_open_pins(conn) if ctx.reader.exists else ([], 0)
         context = injection_context(pins, Arrivals(conn, []), total=total)
     if pins:
         write_out(context + "\n")
@@ -9294,9 +9306,8 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   }
 
   // A panel opens by the pin button, above it when there is more room above (below it
-  // otherwise), right edges together, inside the window whatever its size.
-  // Held by the edge that faces the button, so a panel that grows (pictures loading, a
-  // new reply) grows away from it and never past the window.
+  // otherwise), right edges together, held by the edge that faces the button: a panel that
+  // grows (pictures loading, a new reply) grows away from it, never past the window.
   function placePanel(panel) {
     const home = ui.toggle.getBoundingClientRect();
     const above = home.top - 18, below = innerHeight - home.bottom - 18;
@@ -10088,7 +10099,7 @@ one, once its hooks are wired (<code>pinbox init --agent claude</code>).</p>
 <script>
 "use strict";
 const token = new URLSearchParams(location.hash.slice(1)).get("token") || "";
-let filter = "open", query = "";
+let filter = "open", query = "", last = null;  // last: what the latest round fetched
 async function get(path) {
   const r = await fetch(path, {headers: {authorization: "Bearer " + token}});
   const body = await r.json();
@@ -10151,7 +10162,7 @@ function picture(a, n) {
 }
 // A pin's thread is asked for again only when its last message changed (GET /progress
 // says which): a page left open on a big project costs the hub a few requests a round.
-const threads = new Map();  // pin id -> {last, messages}
+const threads = new Map();  // pin id -> {key: its last message, messages}
 function thread(id, last) {
   const key = last ? last.at + " " + last.text : "";
   const kept = threads.get(id);
@@ -10165,10 +10176,11 @@ for (const b of document.querySelectorAll("[data-filter]")) {
   b.addEventListener("click", () => {
     filter = b.dataset.filter;
     for (const o of document.querySelectorAll("[data-filter]")) o.setAttribute("aria-pressed", String(o === b));
-    load();
+    render();
   });
 }
-document.getElementById("search").addEventListener("input", e => { query = e.target.value.trim().toLowerCase(); load(); });
+// Filters and search redraw what the last round fetched: a keystroke asks the hub nothing.
+document.getElementById("search").addEventListener("input", e => { query = e.target.value.trim().toLowerCase(); render(); });
 function clear(id) { const t = document.getElementById(id); while (t.rows.length > 1) t.deleteRow(1); }
 async function load() {
   if (!token) {
@@ -10179,55 +10191,61 @@ async function load() {
   try {
     const [summary, pins, sessions, deliveries, sync, progress] = await Promise.all([get("/summary"), get("/pins"),
       get("/sessions"), get("/deliveries"), get("/sync"), get("/progress")]);
-    document.title = "pinbox · " + summary.project;
-    document.getElementById("title").textContent = "pinbox · " + summary.project;
-    document.getElementById("where").textContent = summary.open + " open, " + summary.resolved + " resolved · " +
-      summary.sessions + " live agent session(s)";
-    const syncEl = document.getElementById("sync");
-    syncEl.textContent = sync.enabled
-      ? "Syncing with git remote " + sync.remote + " · last sync " + (ago(sync.lastSyncAt) || "never") +
-        (sync.lastError ? " · last error: " + sync.lastError : "") + " · " + sync.waiting + " event(s) waiting" +
-        (sync.setAside ? " · " + sync.setAside + " event(s) from teammates set aside, the last because " +
-         sync.lastSetAside.reason + " (pinbox sync --status)" : "")
-      : "Sync is off: pins stay on this machine (pinbox sync shares them through the git remote).";
-    clear("pins"); clear("sessions"); clear("deliveries");
-    const byId = new Map(pins.map(p => [p.id, p]));
-    const shown = pins.filter(p => (filter === "all" || p.status === filter) && (!query ||
-      [p.text, (p.target || {}).url, (p.target || {}).selector, p.agentSession && p.agentSession.agent]
-        .join(" ").toLowerCase().includes(query)));
-    for (const p of shown) {
-      const t = p.target || {}, m = p.machine, a = p.agentSession;
-      const main = el("div", null, el("div", null, p.text), el("code", {class: "note"}, t.selector || (t.source && t.source.file) || ""));
-      for (const shot of (p.attachments || []).filter(x => x && x.url && String(x.contentType || "").startsWith("image/")).slice(0, 2))
-        main.append(picture(shot, p.n));
-      const tr = row("pins", ["#" + p.n, el("span", {class: "status"}, statusWords(p)), main, pageLink(t.url),
-                              [a ? a.agent + " (" + a.key + ")" + (a.host ? " on " + a.host : "") : "no agent yet",
-                               m ? "from " + (m.author || "?") + " on " + (m.host || "another machine") : ""]
-                                .filter(Boolean).join(" · ")], p.status);
-      thread(p.id, (progress.pins[p.id] || {}).lastMessage).then(msgs => {
-        if (!msgs.length) return;
-        const div = el("div", {class: "thread"});
-        div.textContent = msgs.map(m => m.role + (m.machine ? " (" + (m.machine.author || "?") + ", " +
-                                                  (m.machine.host || "another machine") + ")" : "") + ": " + m.text)
-                              .join("\n");
-        tr.cells[2].appendChild(div);
-      });
-    }
-    const empty = document.getElementById("pins-empty");
-    empty.hidden = shown.length > 0;
-    empty.textContent = pins.length ? "No " + (filter === "all" ? "" : filter + " ") + "pin matches." :
-      "No pins yet: open your app with pinbox open <url>, press P, click what is wrong and say why.";
-    for (const s of sessions) row("sessions", [s.agent, s.key, s.endedAt ? "ended " + ago(s.endedAt) : "live",
-                                               ago(s.lastSeenAt), s.cwd]);
-    document.getElementById("sessions-empty").hidden = sessions.length > 0;
-    for (const d of deliveries) {
-      const p = byId.get(d.pin);
-      row("deliveries", [(EVENTS[d.event] || d.event) + " (" + d.event + ")", p ? "#" + p.n : d.pin || "",
-                         d.session || "no session yet", d.adapter, stateWords(d)], d.status);
-    }
-    document.getElementById("deliveries-empty").hidden = deliveries.length > 0;
+    last = {summary, pins, sessions, deliveries, sync, progress};
+    render();
     document.getElementById("err").textContent = "";
   } catch (e) { document.getElementById("err").textContent = String(e.message || e); }
+}
+function render() {
+  if (!last) return;
+  const {summary, pins, sessions, deliveries, sync, progress} = last;
+  document.title = "pinbox · " + summary.project;
+  document.getElementById("title").textContent = "pinbox · " + summary.project;
+  document.getElementById("where").textContent = summary.open + " open, " + summary.resolved + " resolved · " +
+    summary.sessions + " live agent session(s)";
+  const syncEl = document.getElementById("sync");
+  syncEl.textContent = sync.enabled
+    ? "Syncing with git remote " + sync.remote + " · last sync " + (ago(sync.lastSyncAt) || "never") +
+      (sync.lastError ? " · last error: " + sync.lastError : "") + " · " + sync.waiting + " event(s) waiting" +
+      (sync.setAside ? " · " + sync.setAside + " event(s) from teammates set aside, the last because " +
+       sync.lastSetAside.reason + " (pinbox sync --status)" : "")
+    : "Sync is off: pins stay on this machine (pinbox sync shares them through the git remote).";
+  clear("pins"); clear("sessions"); clear("deliveries");
+  const byId = new Map(pins.map(p => [p.id, p]));
+  const shown = pins.filter(p => (filter === "all" || p.status === filter) && (!query ||
+    [p.text, (p.target || {}).url, (p.target || {}).selector, p.agentSession && p.agentSession.agent]
+      .join(" ").toLowerCase().includes(query)));
+  for (const p of shown) {
+    const t = p.target || {}, m = p.machine, a = p.agentSession;
+    const main = el("div", null, el("div", null, p.text), el("code", {class: "note"}, t.selector || (t.source && t.source.file) || ""));
+    for (const shot of (p.attachments || []).filter(x => x && x.url && String(x.contentType || "").startsWith("image/")).slice(0, 2))
+      main.append(picture(shot, p.n));
+    const tr = row("pins", ["#" + p.n, el("span", {class: "status"}, statusWords(p)), main, pageLink(t.url),
+                            [a ? a.agent + " (" + a.key + ")" + (a.host ? " on " + a.host : "") : "no agent yet",
+                             m ? "from " + (m.author || "?") + " on " + (m.host || "another machine") : ""]
+                              .filter(Boolean).join(" · ")], p.status);
+    thread(p.id, (progress.pins[p.id] || {}).lastMessage).then(msgs => {
+      if (!msgs.length) return;
+      const div = el("div", {class: "thread"});
+      div.textContent = msgs.map(m => m.role + (m.machine ? " (" + (m.machine.author || "?") + ", " +
+                                                (m.machine.host || "another machine") + ")" : "") + ": " + m.text)
+                            .join("\n");
+      tr.cells[2].appendChild(div);
+    });
+  }
+  const empty = document.getElementById("pins-empty");
+  empty.hidden = shown.length > 0;
+  empty.textContent = pins.length ? "No " + (filter === "all" ? "" : filter + " ") + "pin matches." :
+    "No pins yet: open your app with pinbox open <url>, press P, click what is wrong and say why.";
+  for (const s of sessions) row("sessions", [s.agent, s.key, s.endedAt ? "ended " + ago(s.endedAt) : "live",
+                                             ago(s.lastSeenAt), s.cwd]);
+  document.getElementById("sessions-empty").hidden = sessions.length > 0;
+  for (const d of deliveries) {
+    const p = byId.get(d.pin);
+    row("deliveries", [(EVENTS[d.event] || d.event) + " (" + d.event + ")", p ? "#" + p.n : d.pin || "",
+                       d.session || "no session yet", d.adapter, stateWords(d)], d.status);
+  }
+  document.getElementById("deliveries-empty").hidden = deliveries.length > 0;
 }
 (async function every5s() { await load(); setTimeout(every5s, 5000); })();
 </script>
