@@ -5039,27 +5039,39 @@ class ProxyHandler(ReadsWithDeadline):
 
     def relay_chunked_body(self, conn):
         """The request's chunks, each checked before it is passed on: a size that is not
-        hex, data not ended by its line break, or a body cut short is a BadChunk."""
+        hex, data not ended by its line break, or a body cut short is a BadChunk. An app
+        that hangs up mid-body does not hide a malformed one: the rest is still read and
+        checked, and only a whole body gets the app's failure (a 502)."""
         import re
+        gone = []
+
+        def send(data):
+            if not gone:
+                try:
+                    conn.send(data)
+                except OSError as exc:
+                    gone.append(exc)
         while True:
             size_line = self.rfile.readline(1024)
             size = re.fullmatch(rb"([0-9A-Fa-f]{1,8})(;[^\r\n]*)?\r?\n", size_line)
             if size is None:
                 raise BadChunk()
-            conn.send(size_line)
+            send(size_line)
             size = int(size.group(1), 16)
             if size == 0:
                 while True:  # trailers, up to the blank line
                     line = self.rfile.readline(8192)
                     if not line.endswith(b"\n"):
                         raise BadChunk()
-                    conn.send(line)
+                    send(line)
                     if line in (b"\r\n", b"\n"):
+                        if gone:
+                            raise gone[0]
                         return
             data = self.rfile.read(size + 2)
             if len(data) != size + 2 or not data.endswith(b"\r\n"):
                 raise BadChunk()
-            conn.send(data)
+            send(data)
 
     def answer(self, answer):
         """The upstream's answer: an HTML page with the toolbar in it, anything else

@@ -6133,6 +6133,29 @@ class TestPageProxy(HubCase):
                          if os.path.exists(os.path.join(self.repo, ".pinbox", "hub.log")) else b"")
         self.assertNotIn(b"Traceback", self.proc_stderr_so_far())
 
+
+    def test_an_app_that_hangs_up_mid_body_does_not_hide_a_malformed_one(self):
+        """The app hangs up on the request's head: a chunked body that then breaks its
+        framing is still the browser's 400, and only a whole body is the app's 502."""
+        hung_up = threading.Event()
+
+        def hang_up(h):  # a reset at once: every later byte the proxy sends it fails
+            h.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            h.connection.close()
+            h.close_connection = True
+            hung_up.set()
+        app, _ = fake_app(self, {"/hangup": hang_up})
+        port = self.open_app(app)
+        chunks = b"400\r\n" + b"x" * 1024 + b"\r\n"
+        for ending, status in ((b"0\r\nX-Trailer: 1", b"400"), (b"0\r\n\r\n", b"502")):
+            hung_up.clear()
+            sock = socket.create_connection(("127.0.0.1", port), timeout=20)
+            self.addCleanup(sock.close)
+            sock.sendall(b"POST /hangup HTTP/1.1\r\nHost: localhost:%d\r\nTransfer-Encoding: chunked\r\n\r\n" % port)
+            self.assertTrue(hung_up.wait(20), "the app never saw the request")
+            sock.sendall(chunks * 64 + ending)
+            sock.shutdown(socket.SHUT_WR)
+            self.assertEqual(recv_all(sock).split(b" ", 2)[1], status, ending)
     def test_an_upgrade_is_tunnelled_byte_for_byte(self):
         listener = socket.socket()
         listener.bind(("127.0.0.1", 0))
