@@ -134,13 +134,15 @@ def git_output(args, cwd):
 
 
 def git_stamp(root):
-    """The branch and commit the project is on, for a new pin's env (empty outside git
-    or before the first commit)."""
+    """The branch and commit the project is on, and whether a tracked file differs from
+    that commit, for a new pin's env (empty outside git or before the first commit)."""
     out = git_output(["rev-parse", "HEAD", "--abbrev-ref", "HEAD"], root)
     lines = (out or "").split()
     if len(lines) != 2:
         return {}
-    return {"branch": lines[1], "commit": lines[0]}
+    changes = git_output(["status", "--porcelain", "--untracked-files=no"], root)
+    stamp = {"branch": lines[1], "commit": lines[0]}
+    return stamp if changes is None else dict(stamp, dirty=bool(changes.strip()))
 
 
 def git_author(cwd):
@@ -714,7 +716,7 @@ JSON_BODY_LIMIT = 1024 * 1024
 ATTACHMENT_LIMIT = 5 * 1024 * 1024
 MEDIA_NAME = r"att_[a-z0-9]{10}\.[a-z]{3,4}"  # the names the hub gives attachment files
 MEDIA_TYPES = {"image/png": "png", "image/webp": "webp", "image/jpeg": "jpg", "image/gif": "gif",
-               "text/plain": "txt"}
+               "text/plain": "txt", "application/json": "json"}  # (json: a pin's evidence, the hub's own)
 
 
 def media_name(attachment):
@@ -755,26 +757,45 @@ def picture_type(path):
 # lone surrogate (JSON's "\ud800") could never be written as UTF-8 later.
 
 RECT = {"x": ("number", True), "y": ("number", True), "width": ("number", True), "height": ("number", True)}
+# Where the element comes from: what the page knew (a file and line its framework
+# recorded, or `frame`, a position in a served module for the hub to map through the
+# module's source map), made by the hub into a path of this checkout and a confidence.
+FRAMEWORKS = ("react", "vue", "svelte", "attribute")
+CONFIDENCES = ("exact", "near", "unverified")
+SOURCE = {"file": ("string", False), "line": ("integer", False), "column": ("integer", False),
+          "via": (("enum", ("plugin", "framework", "none")), False), "framework": (("enum", FRAMEWORKS), False),
+          "confidence": (("enum", CONFIDENCES), False), "components": (("list", "string"), False),
+          "frame": ({"url": ("url", True), "line": ("integer", True), "column": ("integer", True)}, False)}
 TARGET_BASE = {
     "url": ("url", False), "selector": ("string", False), "tag": ("string", False), "rect": (RECT, False),
     "spot": ({"x": ("number", True), "y": ("number", True)}, False), "fixed": ("boolean", False),
-    "anchor": ("string", False),
-    "source": ({"file": ("string", True), "line": ("number", False), "via": (("enum", ("plugin", "framework", "none")),
-                                                                           True)}, False),
+    "anchor": ("string", False), "role": ("string", False), "name": ("string", False),
+    "source": (SOURCE, False),
     "context": ({"classes": (("list", "string"), False), "styles": (("map", "string"), False),
                  "aria": (("map", "string"), False), "nearbyText": ("string", False),
                  "selectedText": ("string", False), "textRuns": (("list", "string"), False)}, False)}
 TARGET = dict(TARGET_BASE, targets=(("list", TARGET_BASE), False))
 ENV = {"viewport": ({"w": ("number", True), "h": ("number", True), "dpr": ("number", True)}, False),
        "browser": ("string", False), "os": ("string", False),
-       "colorScheme": (("enum", ("light", "dark")), False), "branch": ("string", False), "commit": ("string", False)}
+       "colorScheme": (("enum", ("light", "dark")), False), "branch": ("string", False), "commit": ("string", False),
+       "dirty": ("boolean", False), "title": ("string", False), "userAgent": ("string", False)}
 AUTHOR = {"userId": ("string", True), "name": ("string", False), "email": ("string", False)}
 SESSION_REF = {"agent": ("string", True), "key": ("string", True), "cwd": ("string", False)}
-ATTACHMENT = {"id": ("string", True), "kind": (("enum", ("screenshot", "file")), True), "path": ("string", False),
+ATTACHMENT = {"id": ("string", True), "kind": (("enum", ("screenshot", "file", "evidence")), True),
+              "label": (("enum", ("page", "element")), False), "path": ("string", False),
               "url": ("string", False), "contentType": ("string", False), "width": ("integer", False),
               "height": ("integer", False)}
+# What the page saw go wrong before the pin: the last console errors and warnings,
+# uncaught exceptions and rejections, and failed requests (never a header or a body).
+CONSOLE_ENTRY = {"level": (("enum", ("error", "warn", "exception", "rejection")), True), "message": ("string", True),
+                 "stack": ("string", False), "at": ("number", False)}
+REQUEST_ENTRY = {"method": ("string", True), "url": ("string", True), "status": (("range", (0, 999)), True),
+                 "ms": ("number", False), "kind": (("enum", ("fetch", "xhr", "resource", "proxy")), True)}
+EVIDENCE = {"console": (("list", CONSOLE_ENTRY), False), "requests": (("list", REQUEST_ENTRY), False)}
+EVIDENCE_LIMIT = 64 * 1024
 PIN_INPUT = {"text": ("text", True), "kind": (("enum", ("note", "move")), False), "target": (TARGET, False),
              "move": ({"from": (RECT, True), "to": (RECT, True)}, False), "env": (ENV, False),
+             "evidence": (EVIDENCE, False),
              "author": (AUTHOR, True), "agentSession": (SESSION_REF, False),
              "attachments": (("list", ATTACHMENT), False)}
 MESSAGE_INPUT = {"role": (("enum", ROLES), True), "text": ("text", True), "origin": ("string", False),
@@ -846,6 +867,28 @@ def check_url(url, where="url", hint="a page address starts with http:// or http
     return url
 
 
+# Query parameters named like secrets keep their name; their value never reaches the
+# store, an agent or a teammate (an OAuth fragment's access_token too).
+SECRET_PARAM = (r"(?i)([?&#;][^=&#\s\"'<>()]*(?:token|key|secret|passw|auth|session|sig)[^=&#\s\"'<>()]*=)"
+                r"[^&#;\s\"'<>()]*")
+
+
+def hide_secrets(text):
+    import re
+    return re.sub(SECRET_PARAM, r"\1[hidden]", text) if "=" in text else text
+
+
+def check_evidence(evidence):
+    """Evidence as it is kept: each secret-named query value hidden, wherever a URL
+    appears (an address, a message, a stack), and at most EVIDENCE_LIMIT as JSON."""
+    kept = {key: [{k: hide_secrets(v) if isinstance(v, str) else v for k, v in item.items()} for item in items]
+            for key, items in evidence.items()}
+    if len(dumps_compact(kept).encode("utf-8")) > EVIDENCE_LIMIT:
+        raise invalid("evidence: larger than %d KiB" % (EVIDENCE_LIMIT // 1024),
+                      "send the last console entries and failed requests only")
+    return kept
+
+
 def plain(text):
     """Text for a terminal or an agent's context, with nothing in it that acts: control
     characters (escape sequences, a carriage return, a backspace) and the marks that
@@ -870,7 +913,7 @@ def _acts(char):
 # ============================================================================
 
 # Key order of a stored pin (the original's schema order, so JSON output matches it).
-PIN_KEYS = ("text", "kind", "target", "move", "env", "author", "agentSession", "attachments",
+PIN_KEYS = ("text", "kind", "target", "move", "env", "evidence", "author", "agentSession", "attachments",
             "id", "n", "schemaVersion", "status", "createdAt", "resolution", "verification", "links")
 MESSAGE_KEYS = ("id", "pinId", "role", "origin", "session", "text", "attachments", "at")
 
@@ -893,6 +936,10 @@ def create_pin(store, fields):
     if isinstance(ref, dict) and ref.get("agent") in AGENTS:  # a session the pin will be routed to
         check_session_ref(ref["agent"], ref.get("key"))
     pin = dict(fields, text=text)
+    if isinstance(pin.get("target"), dict) and isinstance(pin["target"].get("url"), str):
+        pin["target"] = dict(pin["target"], url=hide_secrets(pin["target"]["url"]))
+    if pin.get("evidence") is not None:
+        pin["evidence"] = check_evidence(pin["evidence"])
     pin.setdefault("kind", "note")
     pin.setdefault("author", {"userId": "unknown"})
     pin.update(id=new_id("pin"), schemaVersion=1, status="open", createdAt=iso_time())
@@ -1069,8 +1116,9 @@ def summary(store):
 def source_ref(source):
     if not isinstance(source, dict) or not source.get("file"):
         return None
-    line = source.get("line")
-    return source["file"] + (":" + js_number(line) if line is not None else "")
+    place = [source.get(k) for k in ("line", "column")]
+    place = place[:place.index(None)] if None in place else place
+    return ":".join([source["file"]] + [js_number(n) for n in place])
 
 
 def pin_locus(pin):
@@ -1777,19 +1825,84 @@ def page_and_files(pin, home):
     if url:
         origin, path = split_origin(url)
         parts.append("page " + (path if origin and origin == home else url)[:300])
-    paths = [a["path"] for a in pin.get("attachments") or () if isinstance(a, dict) and a.get("path")]
-    pictures = [path for path in paths if picture_type(path)]
-    for label, files in (("attached", pictures), ("files (not pictures)", [p for p in paths if p not in pictures])):
+    title = (pin.get("env") or {}).get("title")
+    if title:
+        parts[-1:] = [(parts[-1] + " " if parts else "page ") + '"%s"' % title[:120]]
+    named = [(ATTACHMENT_LABELS.get(a.get("label") or a.get("kind"), ""), a["path"])
+             for a in pin.get("attachments") or () if isinstance(a, dict) and a.get("path")]
+    pictures = [(label, path) for label, path in named if picture_type(path)]
+    for label, files in (("attached", pictures), ("files (not pictures)", [f for f in named if f not in pictures])):
         if files:
-            parts.append("%s: %s%s" % (label, ", ".join(files[:4]), " (+%d more)" % (len(files) - 4)
-                                       if len(files) > 4 else ""))
+            parts.append("%s: %s%s" % (label, ", ".join(name + path for name, path in files[:4]),
+                                       " (+%d more)" % (len(files) - 4) if len(files) > 4 else ""))
     return flat("".join(" · " + part for part in parts))
+
+
+ATTACHMENT_LABELS = {"page": "the page ", "element": "the element ", "evidence": "evidence as JSON "}
+
+
+def element_words(target):
+    """The element in words: its tag, role and accessible name."""
+    if not target.get("tag"):
+        return ""
+    words = "element <%s>" % target["tag"]
+    if target.get("role") and target["role"] != target["tag"]:
+        words += " (%s)" % target["role"]
+    return words + (' "%s"' % target["name"][:80] if target.get("name") else "")
+
+
+def source_words(source):
+    """Where the element comes from, and how sure pinbox is; "" when nobody looked."""
+    if not isinstance(source, dict):
+        return ""
+    chain = source.get("components") or []
+    within = ", in %s" % " < ".join(chain[:3]) if chain else ""
+    if source.get("file"):  # (one named by hand, `pin --source`, has no confidence)
+        how = ", ".join(filter(None, (source.get("confidence"), within[2:])))
+        return "source %s%s" % (source_ref(source), " (%s)" % how if how else "")
+    if chain:
+        return "source not found in this checkout (%s)" % within[2:]
+    return "source none: no component rendered this element" if source.get("via") == "none" else ""
+
+
+def evidence_words(evidence, home=""):
+    """One line of what went wrong on the page before the pin."""
+    if not isinstance(evidence, dict):
+        return ""
+    console = evidence.get("console") or []
+    errors = [entry for entry in console if entry.get("level") != "warn"]
+    parts = []
+    if errors:
+        named = []
+        for entry in errors[:3]:
+            frame = first_frame(entry.get("stack") or "")
+            named.append(entry["message"][:160] + (" (at %s)" % frame if frame else ""))
+        parts.append("%d error(s)%s: %s" % (len(errors), ", first 3" if len(errors) > 3 else "", "; ".join(named)))
+    if len(console) > len(errors):
+        parts.append("%d warning(s)" % (len(console) - len(errors)))
+    requests = evidence.get("requests") or []
+    if requests:
+        named = ["%s %s → %s" % (r["method"], r["url"][len(home):] if home and r["url"].startswith(home + "/") else
+                                 r["url"], r["status"] or "no answer") for r in requests[-3:]]
+        parts.append("%d failed request(s)%s: %s" % (len(requests), ", last 3" if len(requests) > 3 else "",
+                                                     ", ".join(u[:200] for u in named)))
+    return "evidence: " + "; ".join(parts) if parts else ""
+
+
+def first_frame(stack):
+    """The first `file:line` of a stack that names a file of the checkout (a mapped
+    frame), not an address."""
+    import re
+    found = re.search(r"(?<![\w/:.])((?:[\w.@-]+/)*[\w.@-]+\.\w+:\d+)(?::\d+)?", stack)
+    return found.group(1) if found and "node_modules" not in found.group(1) else ""
 
 
 def agent_pin_line(pin, home="", limit=600):
     line = flat(compact_line(pin))  # the selector and URL come from the page too
     line = line if len(line) <= limit else line[:limit - 1] + "…"
-    return line + page_and_files(pin, home)
+    target = pin.get("target") or {}
+    details = [element_words(target), source_words(target.get("source")), evidence_words(pin.get("evidence"), home)]
+    return line + page_and_files(pin, home) + flat("".join(" · " + d for d in details if d))[:1200]
 
 
 def message_block(kind, payload, pin, home=""):
@@ -3033,6 +3146,8 @@ def check_event(event, device):
         for holder in (data, data.get("resolution") or {}, data.get("verification") or {}):
             if holder.get(key) is not None:
                 clean_text(holder[key], key)
+    if data.get("evidence") is not None:
+        data["evidence"] = check_evidence(data["evidence"])
     if event["type"] in ("pin.created", "thread.message") and not data["text"].strip():
         raise invalid("data.text: empty")
     for attachment in data.get("attachments") or ():
@@ -3426,6 +3541,252 @@ def sync_worker(hub, stop):
 
 
 # ============================================================================
+# Evidence: where an element comes from, in this checkout
+# ============================================================================
+
+# The toolbar sends what a dev build tells about an element: the file and line its
+# framework recorded (React 17/18, Svelte 5, an inspector's attribute), the component's
+# file (Vue 3), or a position in the served module (React 19's owner stack). The hub
+# makes that a path of this checkout: positions through the module's source map,
+# fetched from the app the person opened (never from anywhere else), and every file
+# checked to be in the repository with the line inside it; how sure it is goes along.
+
+SOURCE_MAP_LIMIT = 16 * 1024 * 1024  # the largest module or map fetched from the app
+BASE64_DIGITS = {c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")}
+STACK_FRAME = r"(https?://[^\s()'\"<>]+?):(\d{1,9}):(\d{1,9})"  # where a stack names a position in a module
+
+
+class SourceMap:
+    """A version 3 source map, its `mappings` decoded only as far as asked (a 2 MB map
+    for one position is decoded up to that position's line)."""
+
+    def __init__(self, raw, base):
+        from urllib.parse import urljoin
+        data = json_loads(raw)
+        if not isinstance(data, dict) or data.get("version") != 3 or not isinstance(data.get("mappings"), str):
+            raise ValueError("not a version 3 source map")
+        root = data.get("sourceRoot") if isinstance(data.get("sourceRoot"), str) else ""
+        root = root + "/" if root and not root.endswith("/") else root
+        self.sources = [urljoin(base, root + s) if isinstance(s, str) else "" for s in data.get("sources") or ()]
+        self.rows = data["mappings"].split(";")
+        self.lines = []  # decoded rows: [(column, source, line, column)], all absolute
+        self.state = [0, 0, 0]  # source, line and column carry on from row to row
+
+    def row(self, index):
+        while len(self.lines) <= index < len(self.rows):
+            try:
+                self.lines.append(self._decode(self.rows[len(self.lines)]))
+            except (KeyError, IndexError):  # not Base64 VLQ: nothing from here on maps
+                self.rows = self.rows[:len(self.lines)]
+        return self.lines[index] if 0 <= index < len(self.lines) else []
+
+    def _decode(self, text):
+        segments, column, state = [], 0, self.state
+        for segment in text.split(","):
+            values, value, shift = [], 0, 0
+            for char in segment:
+                digit = BASE64_DIGITS[char]  # (a KeyError: not Base64 VLQ)
+                value += (digit & 31) << shift
+                if digit & 32:
+                    shift += 5
+                    continue
+                values.append(-(value >> 1) if value & 1 else value >> 1)
+                value = shift = 0
+            if not values:
+                continue
+            column += values[0]
+            if len(values) >= 4:
+                state[0] += values[1]
+                state[1] += values[2]
+                state[2] += values[3]
+                segments.append((column, state[0], state[1], state[2]))
+        return segments
+
+    def original(self, line, column):
+        """(source, line, column) of a 1-based generated position, or None."""
+        import bisect
+        segments = self.row(line - 1)
+        at = bisect.bisect_right([s[0] for s in segments], column - 1) - 1
+        if not segments or not 0 <= segments[max(at, 0)][1] < len(self.sources):
+            return None
+        found = segments[max(at, 0)]
+        return self.sources[found[1]], found[2] + 1, found[3] + 1
+
+
+def fetch_from_app(app, path):
+    """The text a GET of `path` gets from the app (scheme://host:port the person opened
+    with `pinbox open`), or None: no answer, not a 200, or over SOURCE_MAP_LIMIT."""
+    import http.client
+    scheme, host, port = parse_upstream(app)
+    if scheme == "https":
+        import ssl
+        conn = http.client.HTTPSConnection(host, port, timeout=5, context=ssl.create_default_context())
+    else:
+        conn = http.client.HTTPConnection(host, port, timeout=5)
+    try:
+        conn.request("GET", path, headers={"Accept": "*/*", "Accept-Encoding": "identity"})
+        answer = conn.getresponse()
+        body = answer.read(SOURCE_MAP_LIMIT + 1) if answer.status == 200 else b""
+        return body.decode("utf-8", "replace") if 0 < len(body) <= SOURCE_MAP_LIMIT else None
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    finally:
+        conn.close()
+
+
+def source_map_of(app, path, fetch=fetch_from_app):
+    """The source map a module served at `path` names (inline as a data: URL, as Vite
+    serves them, or at a path of the same app), or None."""
+    import base64
+    from urllib.parse import unquote, urljoin, urlsplit
+    code = fetch(app, path)
+    at = code.rfind("sourceMappingURL=") if code else -1
+    if at < 0:
+        return None
+    named = code[at + len("sourceMappingURL="):].split(None, 1)[0] if code[at + 17:].strip() else ""
+    try:
+        if named.startswith("data:"):
+            head, _, data = named.partition(",")
+            raw = base64.b64decode(data) if head.endswith(";base64") else unquote(data).encode("utf-8")
+            return SourceMap(raw, app + path)
+        where = urlsplit(urljoin(app + path, named))
+        if where.scheme + "://" + where.netloc != app:
+            return None  # a map elsewhere is not fetched
+        raw = fetch(app, where.path + ("?" + where.query if where.query else ""))
+        return SourceMap(raw.encode("utf-8"), app + where.path) if raw else None
+    except (ValueError, TypeError, AttributeError, KeyError, RecursionError):
+        return None
+
+
+def checkout_path(root, name):
+    """The repository-relative path of the checkout's file `name` means (an absolute path,
+    a path under the app's address, or the end of one), or None: a file outside the
+    repository, a link out of it, a dependency or what git ignores is never source."""
+    from urllib.parse import unquote, urlsplit
+    if not isinstance(name, str) or not name or len(name) > 2000:
+        return None
+    path = unquote(urlsplit(name).path if "://" in name else name.split("?")[0].split("#")[0])
+    path = path[len("/@fs"):] if path.startswith("/@fs/") else path
+    real_root = os.path.realpath(root)
+    parts = [p for p in path.replace("\\", "/").split("/") if p not in ("", ".")]
+    if ".." in parts or "node_modules" in parts:
+        return None
+    absolute = os.path.realpath(path) if os.path.isabs(path) else None
+    candidates = [os.path.relpath(absolute, real_root)] if absolute and absolute.startswith(real_root + os.sep) else []
+    candidates += ["/".join(parts[i:]) for i in range(min(len(parts), 12))]
+    for rel in candidates:
+        full = os.path.realpath(os.path.join(real_root, rel))
+        if full.startswith(real_root + os.sep) and os.path.isfile(full) and \
+                git_output(["check-ignore", "-q", "--no-index", rel], root) is None:
+            return os.path.relpath(full, real_root).replace(os.sep, "/")
+    return None
+
+
+def file_lines(root, rel):
+    """The lines of a checkout file (at most its first 4 MiB)."""
+    try:
+        with open(os.path.join(root, rel), "rb") as handle:
+            return handle.read(4 * 1024 * 1024).decode("utf-8", "replace").split("\n")
+    except OSError:
+        return []
+
+
+def line_in_template(lines, target):
+    """The 1-based line of the element's tag in a Vue file's <template>, and whether it
+    is the only one that fits (Vue's dev build names the component's file, not the line)."""
+    import re
+    tag = target.get("tag") or ""
+    starts = [i for i, line in enumerate(lines) if re.match(r"\s*<template\b", line)]
+    if not tag or not starts:
+        return None, False
+    end = max((i for i, line in enumerate(lines) if "</template>" in line), default=len(lines))
+    opening = re.compile(r"<%s(?=[\s>/]|$)" % re.escape(tag), re.I)
+    found = [i for i in range(starts[0], end) if opening.search(lines[i])]
+    selector = target.get("selector") or ""
+    ident = selector[1:] if re.fullmatch(r"#[\w-]+", selector) else None
+    text = ((target.get("context") or {}).get("nearbyText") or target.get("name") or "")[:40].strip()
+    classes = (target.get("context") or {}).get("classes") or []
+
+    def score(i):
+        # The tag's own attributes (to its first ">") and the text right after it.
+        rest = "\n".join(lines[i:i + 8])[opening.search(lines[i]).start():]
+        attributes, _, after = rest.partition(">")
+        words = " ".join(after.split("<", 1)[0].split())
+        return (3 if ident and re.search(r"\bid=[\"']%s[\"']" % re.escape(ident), attributes) else 0) + \
+            (2 if text and (text in words or words and words in text) else 0) + \
+            sum(1 for c in classes if re.search(r"(?<![\w-])%s(?![\w-])" % re.escape(c), attributes))
+    if not found:
+        return None, False
+    scores = [score(i) for i in found]
+    best = [i for i, s in zip(found, scores) if s == max(scores)]
+    return best[0] + 1, len(found) == 1 or (max(scores) > 0 and len(best) == 1)
+
+
+def locate_source(root, target, map_position):
+    """A target's `source` as kept: a path of this checkout, its line and column, the
+    confidence (exact: the framework or a source map gave the line, or the element is the
+    only one that fits; near: the file is right, the line a best guess or missing;
+    unverified: not found in this checkout), and the component chain. `map_position(url,
+    line, column)` maps a served module's position back through its source map."""
+    source = dict(target.get("source") or {})
+    frame = source.pop("frame", None)
+    if frame and not source.get("file"):
+        mapped = map_position(frame["url"], frame["line"], frame["column"])
+        if mapped:
+            source.update(file=mapped[0], line=mapped[1], column=mapped[2])
+    source["components"] = (source.get("components") or [])[:3] or None
+    if not source.get("file"):
+        return ordered(dict(source, confidence=None if source.get("via") == "none" else "unverified"),
+                       tuple(SOURCE))
+    rel = checkout_path(root, source["file"])
+    if rel is None:
+        return ordered({"framework": source.get("framework"), "components": source["components"],
+                        "confidence": "unverified"}, tuple(SOURCE))
+    lines = file_lines(root, rel)
+    sure = True
+    if source.get("line") is None and source.get("framework") == "vue":
+        source["line"], sure = line_in_template(lines, target)
+    inside = source.get("line") is not None and 1 <= source["line"] <= len(lines)
+    if not inside:
+        source.pop("line", None)
+        source.pop("column", None)
+    source.update(file=rel, via=source.get("via") or "framework",
+                  confidence="exact" if inside and sure else "near")
+    return ordered(source, tuple(SOURCE))
+
+
+def map_stack(stack, map_position, root):
+    """A stack with each frame in a module of the app named as its checkout file
+    (`src/Cart.tsx:41:9`) where its source map says so; other frames as they were."""
+    import re
+    done = {}
+
+    def frame(match):
+        if match.group(0) not in done and len(done) < 40:
+            mapped = map_position(match.group(1), int(match.group(2)), int(match.group(3)))
+            rel = checkout_path(root, mapped[0]) if mapped else None
+            done[match.group(0)] = "%s:%d:%d" % (rel, mapped[1], mapped[2]) if rel else match.group(0)
+        return done.get(match.group(0), match.group(0))
+    return re.sub(STACK_FRAME, frame, stack)
+
+
+def position_mapper(app_for):
+    """map_position for one pin: each module's map fetched and decoded once. `app_for(url)`
+    is (app, path) for a URL of an app this project opened, else None."""
+    maps = {}
+
+    def map_position(url, line, column):
+        where = app_for(url)
+        if where is None:
+            return None
+        if where not in maps:
+            maps[where] = source_map_of(*where) if len(maps) < 20 else None
+        found = maps[where].original(line, column) if maps[where] else None
+        return found
+    return map_position
+
+
+# ============================================================================
 # Hub: the request router
 # ============================================================================
 
@@ -3561,11 +3922,16 @@ def r_create_pin(hub, request):
     fields = validate(request.json(), PIN_INPUT)
     if not fields["text"].strip():
         raise invalid("text: must not be empty")
+    map_position = position_mapper(hub.app_for)
     if "target" in fields:
         fields["target"] = hub.app_target(fields["target"])
+        if "source" in fields["target"]:
+            fields["target"]["source"] = locate_source(hub.root, fields["target"], map_position)
     if "agentSession" in fields and not request.local:  # it would choose whom the hub wakes
         raise PinboxError("E_FORBIDDEN", "a page cannot bind a pin to an agent session",
                           "drop agentSession: the hub routes a page's pin to the session working here")
+    if "evidence" in fields or "url" in fields.get("target", {}):
+        fields["evidence"] = page_evidence(hub, fields, map_position)
     if "attachments" in fields:
         fields["attachments"] = own_attachments(hub, fields["attachments"])
     fields.setdefault("env", {})
@@ -3576,6 +3942,33 @@ def r_create_pin(hub, request):
         pin = create_pin(store, fields)
     hub.changed()
     return Response(201, pin)
+
+
+def page_evidence(hub, fields, map_position):
+    """What the page saw, with its stacks mapped to checkout files, the failed answers
+    the page proxy carried for it added, and secrets hidden; written beside the pin's
+    pictures as JSON too (an agent opens it like them). None when there is nothing."""
+    evidence = fields.get("evidence") or {}
+    for entry in evidence.get("console") or ():
+        if entry.get("stack"):
+            entry["stack"] = map_stack(entry["stack"], map_position, hub.root)
+    requests = [dict(r, url=hub.app_address(r["url"])) for r in evidence.get("requests") or ()]
+    seen = {(r["method"], r["url"], r["status"]) for r in requests}
+    url = hide_secrets(fields["target"].get("url") or "")
+    requests += [r for r in hub.failures_on(url) if (r["method"], r["url"], r["status"]) not in seen]
+    if requests:
+        evidence["requests"] = requests[-20:]
+    if not any(evidence.values()):
+        return None
+    import json
+    evidence = check_evidence(evidence)
+    attachment_id = new_id("att")
+    path = os.path.join(real_folder(os.path.join(hub.directory, "media")), attachment_id + ".json")
+    write_file(path, (json.dumps(evidence, indent=2, ensure_ascii=False) + "\n").encode("utf-8"), private=True)
+    fields["attachments"] = (fields.get("attachments") or []) + [{
+        "id": attachment_id, "kind": "evidence", "path": path, "url": "/media/%s.json" % attachment_id,
+        "contentType": "application/json"}]
+    return evidence
 
 
 def r_get_pin(hub, request, pin_id):
@@ -3792,6 +4185,10 @@ def r_toolbar(hub, request):
     return Response(200, raw=TOOLBAR_JS, content_type="application/javascript; charset=utf-8")
 
 
+def r_early(hub, request):
+    return Response(200, raw=EARLY_JS, content_type="application/javascript; charset=utf-8")
+
+
 def r_page(hub, request):
     return Response(200, raw=PAGE_HTML, content_type="text/html; charset=utf-8")
 
@@ -3811,7 +4208,7 @@ ROUTES = (
     ("POST", ("sessions", "*", "inbox"), r_inbox_post), ("GET", ("sessions", "*", "inbox"), r_inbox_read),
     ("POST", ("sessions", "*", "inbox", "ack"), r_inbox_ack), ("GET", ("agent-inbox", "summary"), r_inbox_summary),
     ("GET", ("progress",), r_progress), ("POST", ("proxies",), r_open_proxy), ("GET", ("demo",), r_demo),
-    ("GET", ("toolbar.js",), r_toolbar), ("GET", (), r_page),
+    ("GET", ("toolbar.js",), r_toolbar), ("GET", ("early.js",), r_early), ("GET", (), r_page),
 )
 
 
@@ -3825,7 +4222,7 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 LOCAL_ROUTES = (r_register, r_end_session, r_inject, r_pending, r_inbox_post, r_inbox_read, r_inbox_ack,
                 r_inbox_summary, r_open_proxy)
 # The demo page holds no secret: it reads the token from its own URL's fragment.
-PUBLIC_ROUTES = (("GET", "/health"), ("GET", "/toolbar.js"), ("GET", "/"), ("GET", "/demo"))
+PUBLIC_ROUTES = (("GET", "/health"), ("GET", "/toolbar.js"), ("GET", "/early.js"), ("GET", "/"), ("GET", "/demo"))
 TOKEN_IN_QUERY = ("/stream", "/ws")  # EventSource and WebSocket cannot send headers
 MAX_CONNECTIONS = 512
 HEAD_DEADLINE_S = 30.0  # to send a request's line, headers and body (an idle kept-alive one: as long)
@@ -3876,6 +4273,9 @@ class Hub:
         self._lock = threading.Lock()
         self._stamp = None
         self._person = None
+        # Answers of 400 and up that a page proxy carried, by page (app address -> the
+        # last 20): a pin made on that page names them, beside what the page saw.
+        self.page_failures = collections.OrderedDict()
 
     def store(self):
         """`with hub.store() as store:` — a connection from the pool, for one request."""
@@ -3906,16 +4306,46 @@ class Hub:
             return None
         return next((origin for origin, kept in proxy_ports(self.root).items() if kept == port), None)
 
+    def app_address(self, url):
+        """An address on a page proxy of this project as the app's own address; any
+        other address as it is."""
+        app = self.app_origin(url) if isinstance(url, str) else None
+        if app is None:
+            return url
+        address = url.split("://", 1)[1]
+        rest = address[len(address.split("/")[0].split("?")[0].split("#")[0]):]
+        return app + (rest if rest.startswith("/") else "/" + rest)
+
     def app_target(self, target):
         """A pin's target with its page named by the app's address, when it was made
         through a page proxy."""
-        url = target.get("url")
-        app = self.app_origin(url) if isinstance(url, str) else None
-        if app is None:
-            return target
-        address = url.split("://", 1)[1]
-        rest = address[len(address.split("/")[0].split("?")[0].split("#")[0]):]
-        return dict(target, url=app + (rest if rest.startswith("/") else "/" + rest))
+        url = self.app_address(target.get("url"))
+        return target if url == target.get("url") else dict(target, url=url)
+
+    def app_for(self, url):
+        """(app, path) for an address of an app this project opened with `pinbox open`
+        (at its page proxy or at its own origin), else None: the only places the hub
+        fetches a module or a source map from."""
+        from urllib.parse import urlsplit
+        try:
+            parts = urlsplit(url)
+            origin = parts.scheme + "://" + parts.netloc
+        except ValueError:
+            return None
+        app = self.app_origin(url) or (origin if origin in proxy_ports(self.root) else None)
+        return (app, (parts.path or "/") + ("?" + parts.query if parts.query else "")) if app else None
+
+    def note_failure(self, page, entry):
+        """A failed answer a page proxy carried for `page` (the app's address)."""
+        with self._lock:
+            kept = self.page_failures.pop(page, [])[-19:] + [entry]
+            self.page_failures[page] = kept
+            while len(self.page_failures) > 100:
+                self.page_failures.popitem(last=False)
+
+    def failures_on(self, page):
+        with self._lock:
+            return list(self.page_failures.get(page, ()))
 
     def rename_proxied_pins(self):
         """Pins stored with a page proxy's address (before pins named their app) get the
@@ -4818,13 +5248,17 @@ def toolbar_tag(hub_origin, token, nonce=None, app=None):
             % (hub_origin, token, ' data-app="%s"' % app if app else "", ' nonce="%s"' % nonce if nonce else ""))
 
 
-def inject_toolbar(html, hub_origin, token, header_nonce=None, app=None):
-    """An HTML page (bytes) with the toolbar's tag before </body> (else </head>, else at
-    the end), and each <meta> Content-Security-Policy amended to allow the hub."""
+def inject_toolbar(html, hub_origin, token, header_nonce=None, app=None, policed=False):
+    """An HTML page (bytes) with the early hook at the top of <head> and the toolbar's
+    tag before </body> (else </head>, else at the end), and each <meta>
+    Content-Security-Policy amended to allow the hub. `policed`: the page came with a
+    Content-Security-Policy header."""
     import re
     nonces = [header_nonce] if header_nonce else []
+    metas = []
 
     def meta(match):
+        metas.append(match)
         from html import unescape
         amended, nonce = amend_csp(unescape(match.group(3).decode("latin-1")), hub_origin)
         if nonce:
@@ -4835,14 +5269,36 @@ def inject_toolbar(html, hub_origin, token, header_nonce=None, app=None):
 
     html = re.sub(rb"""(?is)(<meta\b[^>]*?http-equiv\s*=\s*["']?content-security-policy["']?[^>]*?"""
                   rb"""\bcontent\s*=\s*(["']))(.*?)(\2)""", meta, html)
-    tag = toolbar_tag(hub_origin, token, nonces[0] if nonces else None, app).encode("utf-8")
-    # A "</body>" inside a script or a comment is the page's text, not its end.
-    quoted = [m.span() for m in re.finditer(rb"(?is)<script\b.*?(</script\s*>|\Z)|<!--.*?(-->|\Z)", html)]
+    nonce = nonces[0] if nonces else None
+    html = early_hook(html, hub_origin, nonce, policed or bool(metas))
+    tag = toolbar_tag(hub_origin, token, nonce, app).encode("utf-8")
     for closing in (rb"(?i)</body\s*>", rb"(?i)</head\s*>"):
-        found = [m.start() for m in re.finditer(closing, html) if not any(a <= m.start() < b for a, b in quoted)]
+        found = tags_outside_scripts(html, closing)
         if found:
-            return html[:found[-1]] + tag + html[found[-1]:]
+            return html[:found[-1].start()] + tag + html[found[-1].start():]
     return html + tag
+
+
+def tags_outside_scripts(html, pattern):
+    """The matches of a tag's pattern in a page, but those inside a script or a comment:
+    a "</body>" there is the page's text, not its end."""
+    import re
+    quoted = [m.span() for m in re.finditer(rb"(?is)<script\b.*?(</script\s*>|\Z)|<!--.*?(-->|\Z)", html)]
+    return [m for m in re.finditer(pattern, html) if not any(a <= m.start() < b for a, b in quoted)]
+
+
+def early_hook(html, hub_origin, nonce, policed):
+    """The page with the early hook first in its <head> (else after <html>, else after
+    the doctype): inline, where no policy forbids it; from the hub where one does."""
+    if policed and not nonce:
+        script = '<script src="%s/early.js"></script>' % hub_origin  # (the amended policy allows the hub)
+    else:
+        script = "<script%s>%s</script>" % (' nonce="%s"' % nonce if nonce else "", EARLY_JS)
+    for opening in (rb"(?i)<head\b[^>]*>", rb"(?i)<html\b[^>]*>", rb"(?i)<!doctype\b[^>]*>"):
+        found = tags_outside_scripts(html, opening)
+        if found:
+            return html[:found[0].end()] + script.encode("utf-8") + html[found[0].end():]
+    return script.encode("utf-8") + html
 
 
 def decoded_body(body, encoding):
@@ -5078,6 +5534,8 @@ class ProxyHandler(ReadsWithDeadline):
         streamed through as it arrives."""
         kind = (answer.getheader("Content-Type") or "").split(";")[0].strip().lower()
         bodiless = self.command == "HEAD" or answer.status in (204, 304) or 100 <= answer.status < 200
+        if answer.status >= 400:
+            self.note_failure(answer.status)
         headers = [(n, v) for n, v in answer.getheaders() if n.lower() not in HOP_HEADERS]
         if answer.status in (301, 302, 303, 307, 308):
             headers = [(n, rewrite_location(v, self.server.upstream_origins, self.proxy_origin())
@@ -5104,6 +5562,16 @@ class ProxyHandler(ReadsWithDeadline):
             self.wfile.write(self.read_whole(answer))  # a small asset in one write: most of a dev server's answers
         elif not bodiless:
             self.copy_body(answer, chunked)
+
+    def note_failure(self, status):
+        """A failed answer, for the pins of the page that asked (its Referer), named by the
+        app's addresses with secret-named query values hidden."""
+        proxy, app = self.proxy_origin(), self.server.upstream_origin
+        referer = self.headers.get("Referer") or ""
+        if referer == proxy or referer.startswith(proxy + "/"):
+            self.server.hub.note_failure(hide_secrets(app + referer[len(proxy):]), {
+                "method": self.command[:20], "url": hide_secrets(app + self.path)[:2000], "status": status,
+                "kind": "proxy"})
 
     def read_whole(self, answer):
         """The whole body; what there is of it when the upstream went away mid-body (and
@@ -5147,7 +5615,8 @@ class ProxyHandler(ReadsWithDeadline):
                 value, nonce = amend_csp(value, hub_origin)
                 csp_nonce = csp_nonce or nonce
             kept.append((name, value))
-        page = inject_toolbar(page, hub_origin, hub.token, csp_nonce, self.server.upstream_origin)
+        policed = any(n.lower() in ("content-security-policy", "content-security-policy-report-only") for n, _ in headers)
+        page = inject_toolbar(page, hub_origin, hub.token, csp_nonce, self.server.upstream_origin, policed)
         self.send_whole(answer, kept + [("Content-Length", str(len(page)))], page)
 
     def send_whole(self, answer, headers, body):
@@ -7211,10 +7680,14 @@ def render_show(pin, thread, now=None):
     facts = []
     if target.get("selector"):
         facts.append(("target", target["selector"] + ("  <%s>" % target["tag"] if target.get("tag") else "")))
-    if source_ref(target.get("source")):
-        facts.append(("source", source_ref(target["source"])))
+    for key, words in (("element", element_words(target)), ("source", source_words(target.get("source"))),
+                       ("evidence", evidence_words(pin.get("evidence")))):
+        if words:
+            facts.append((key, words.split(" ", 1)[1]))
     if target.get("url"):
         facts.append(("url", target["url"]))
+    if (pin.get("env") or {}).get("title"):
+        facts.append(("title", pin["env"]["title"]))
     if isinstance(target.get("rect"), dict):
         facts.append(("rect", format_rect(target["rect"])))
     nearby = (target.get("context") or {}).get("nearbyText")
@@ -7230,7 +7703,7 @@ def render_show(pin, thread, now=None):
         facts.append(("env", shown))
     git = [part for part in (env.get("branch"), (env.get("commit") or "")[:7]) if part]
     if git:
-        facts.append(("git", " @ ".join(git)))
+        facts.append(("git", " @ ".join(git) + (" (uncommitted changes)" if env.get("dirty") else "")))
     author = person_name(pin.get("author"))
     if author:
         facts.append(("author", author))
@@ -8173,6 +8646,98 @@ def main():
 # Assets: the page toolbar, the overview page, the demo page
 # ============================================================================
 
+EARLY_JS = r"""/* pinbox early hook: what the page saw go wrong, kept for a pin.
+   Put at the top of <head> by `pinbox open` (so it runs before the app's own scripts) and
+   run by the toolbar too. The app sees nothing different: its console, fetch, XHR and
+   error handlers run as before, with the same values; errors still reach the console.
+   Never kept: headers, cookies, bodies, field values; a query value named like a secret. */
+(function () {
+  'use strict';
+  if (window.__pinboxEvidence) return;
+  var KEEP = 20;
+  var SECRET = /([?&#;][^=&#\s"'<>()]*(?:token|key|secret|passw|auth|session|sig)[^=&#\s"'<>()]*=)[^&#;\s"'<>()]*/gi;
+  var logged = [], failed = [];
+  Object.defineProperty(window, '__pinboxEvidence', { value: { console: logged, requests: failed } });
+  function cut(text, most) {
+    text = String(text).replace(SECRET, '$1[hidden]');
+    return text.length > most ? text.slice(0, most) + '...' : text;
+  }
+  function keep(list, item) {
+    list.push(item);
+    if (list.length > KEEP) list.shift();
+  }
+  function words(value) {
+    try {
+      return value instanceof Error ? value.name + ': ' + value.message : typeof value === 'string' ? value : JSON.stringify(value);
+    } catch (err) {
+      return String(value);
+    }
+  }
+  function log(level, message, stack) {
+    keep(logged, { level: level, message: cut(message || '(no message)', 1000), stack: stack ? cut(stack, 4000) : undefined,
+      at: Date.now() });
+  }
+  function address(url) {
+    try { return cut(new URL(String(url), location.href).href, 2000); } catch (err) { return cut(url, 2000); }
+  }
+  function fail(kind, method, url, status, started) {
+    keep(failed, { kind: kind, method: cut(String(method || 'GET').toUpperCase(), 20), url: address(url),
+      status: status >= 0 && status < 1000 ? status : 0, ms: started ? Date.now() - started : undefined });
+  }
+  ['error', 'warn'].forEach(function (level) {
+    var original = console[level];
+    if (typeof original !== 'function') return;
+    console[level] = function () {
+      try {
+        var args = Array.prototype.slice.call(arguments), thrown = args.filter(function (a) { return a instanceof Error; })[0];
+        // The stack where the app logged, without this wrapper's own frame.
+        var here = thrown ? thrown.stack : String(new Error().stack || '').split('\n').slice(2).join('\n');
+        log(level, args.map(words).join(' '), here);
+      } catch (err) { /* never the app's problem */ }
+      return original.apply(this, arguments);
+    };
+  });
+  addEventListener('error', function (e) {
+    try {
+      var t = e.target;
+      if (t && t !== window && t.tagName) fail('resource', 'GET', t.currentSrc || t.src || t.href || '', 0, 0);
+      else log('exception', e.message || words(e.error), (e.error && e.error.stack) || (e.filename ? e.filename + ':' + e.lineno + ':' + e.colno : ''));
+    } catch (err) { /* never the app's problem */ }
+  }, true);
+  addEventListener('unhandledrejection', function (e) {
+    try { log('rejection', words(e.reason), e.reason && e.reason.stack); } catch (err) { /* never the app's problem */ }
+  });
+  var realFetch = window.fetch;
+  if (typeof realFetch === 'function') {
+    window.fetch = function (input, init) {
+      var started = Date.now(), answer = realFetch.apply(this, arguments);
+      try {
+        var method = (init && init.method) || (input && input.method) || 'GET';
+        var url = typeof input === 'string' ? input : (input && input.url) || String(input);
+        answer.then(function (r) { if (r.status >= 400) fail('fetch', method, url, r.status, started); },
+          function () { fail('fetch', method, url, 0, started); });
+      } catch (err) { /* never the app's problem */ }
+      return answer;  // the very promise the browser gave
+    };
+  }
+  var XHR = window.XMLHttpRequest && XMLHttpRequest.prototype;
+  if (XHR) {
+    var opened = new WeakMap(), open = XHR.open, send = XHR.send;
+    XHR.open = function (method, url) {
+      try { opened.set(this, { method: method, url: url }); } catch (err) { /* never the app's problem */ }
+      return open.apply(this, arguments);
+    };
+    XHR.send = function () {
+      var xhr = this, request = opened.get(this), started = Date.now();
+      if (request) xhr.addEventListener('loadend', function () {
+        if (xhr.status >= 400 || xhr.status === 0) fail('xhr', request.method, request.url, xhr.status, started);
+      });
+      return send.apply(this, arguments);
+    };
+  }
+})();
+"""
+
 TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
    Served by the pinbox hub as GET /toolbar.js and loaded by one tag:
      <script src="http://127.0.0.1:PORT/toolbar.js" data-token="TOKEN"></script>
@@ -8186,6 +8751,9 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   if (window.__pinboxToolbar || document.getElementById('pinbox-toolbar-host')) return;
   try { if (window.top !== window && window.top.__pinboxToolbar) return; } catch (err) { /* another origin's frame */ }
   window.__pinboxToolbar = true;
+
+  // The early hook, for a page that did not get it at the top of <head>: from now on.
+  /*@EARLY_JS@*/
 
   // currentScript is null in some loaders; fall back to the tag that looks like ours.
   const script = document.currentScript ||
@@ -8683,8 +9251,115 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       tag: el.tagName.toLowerCase(),
       rect: { x: round(r.left + scrollX), y: round(r.top + scrollY), width: round(r.width), height: round(r.height) },
       spot: { x: round(r.left + r.width / 2), y: round(r.top + r.height / 2) },  // its centre in the page's picture
+      role: roleOf(el) || undefined,
+      name: nameOf(el) || undefined,
+      source: sourceOf(el),
       context: { nearbyText: nearbyText(el), classes: Array.from(el.classList).slice(0, 20) },
     };
+  }
+
+  // The element in words, as assistive technology names it: its role and accessible
+  // name. Never what is typed into a field (a password, a card number): only labels.
+  const ROLES = { a: 'link', button: 'button', select: 'combobox', textarea: 'textbox', img: 'img', nav: 'navigation',
+    main: 'main', header: 'banner', footer: 'contentinfo', form: 'form', table: 'table', ul: 'list', ol: 'list',
+    li: 'listitem', dialog: 'dialog', section: 'region', aside: 'complementary', option: 'option' };
+  const INPUT_ROLES = { checkbox: 'checkbox', radio: 'radio', button: 'button', submit: 'button', reset: 'button',
+    range: 'slider', search: 'searchbox', number: 'spinbutton' };
+  function roleOf(el) {
+    const tag = el.tagName.toLowerCase();
+    const explicit = (el.getAttribute('role') || '').trim().split(/\s+/)[0];
+    if (explicit) return explicit.slice(0, 40);
+    if (tag === 'input') return INPUT_ROLES[String(el.type || 'text').toLowerCase()] || 'textbox';
+    return /^h[1-6]$/.test(tag) ? 'heading' : ROLES[tag] || '';
+  }
+  function nameOf(el) {
+    const short = (text) => collapse(String(text || '').slice(0, 2000)).slice(0, 120);
+    const label = el.getAttribute('aria-label');
+    if (label) return short(label);
+    const ids = (el.getAttribute('aria-labelledby') || '').split(/\s+/).filter(Boolean);
+    const named = ids.map((id) => document.getElementById(id)).filter(Boolean);
+    if (named.length) return short(named.map((n) => n.innerText || n.textContent).join(' '));
+    if (/^(input|textarea|select)$/i.test(el.tagName)) {
+      return short((el.labels && el.labels[0] && el.labels[0].innerText) || el.getAttribute('placeholder') || el.getAttribute('title'));
+    }
+    return short(el.getAttribute('alt') || el.innerText || el.getAttribute('title'));
+  }
+
+  // ------------------------------------------------------------------ source
+
+  // Where a dev build says the element comes from, read off the element itself with no
+  // change to the app: an inspector plugin's attribute, React 17/18's _debugSource,
+  // React 19's owner stack (a position in the served module, which the hub maps through
+  // its source map), Vue 3's component file, Svelte 5's location. Nothing found is said
+  // too ({ via: 'none' }): plain HTML that no component rendered.
+  const SOURCE_ATTRIBUTES = ['data-source', 'data-insp-path', 'data-v-inspector', 'data-inspector-relative-path',
+    'data-tsd-source', 'data-source-file', 'data-nextjs-path'];
+  const number = (v) => (/^[0-9]{1,9}$/.test(String(v)) ? Number(v) : undefined);
+  const baseName = (file) => String(file || '').split(/[\/\\]/).pop().replace(/[.][A-Za-z]+$/, '');
+  const short = (list) => list.filter(Boolean).map((n) => String(n).slice(0, 100)).slice(0, 3);
+
+  function sourceOf(el) {
+    try {
+      return fromAttribute(el) || fromReact(el) || fromVue(el) || fromSvelte(el) || { via: 'none' };
+    } catch (err) {
+      return { via: 'none' };  // a framework's internals changed shape: the pin goes without
+    }
+  }
+  function fromAttribute(el) {
+    const name = SOURCE_ATTRIBUTES.find((a) => el.hasAttribute(a));
+    if (!name) return null;
+    if (name === 'data-inspector-relative-path') {
+      return { via: 'plugin', framework: 'attribute', file: el.getAttribute(name).slice(0, 2000),
+        line: number(el.getAttribute('data-inspector-line')), column: number(el.getAttribute('data-inspector-column')) };
+    }
+    const m = /^(.+?)(?::([0-9]+))?(?::([0-9]+))?(?::[A-Za-z][\w-]*)?$/.exec(el.getAttribute(name).slice(0, 2000));
+    return m ? { via: 'plugin', framework: 'attribute', file: m[1], line: number(m[2]), column: number(m[3]) } : null;
+  }
+  function fromReact(el) {
+    const key = Object.keys(el).find((k) => k.startsWith('__reactFiber$') || k.startsWith('__reactInternalInstance$'));
+    if (!key) return null;
+    const fiber = el[key];
+    const owners = [];
+    for (let o = fiber._debugOwner; o && owners.length < 3; o = o._debugOwner) {
+      owners.push(o.type ? o.type.displayName || o.type.name : o.name);
+    }
+    const found = { via: 'framework', framework: 'react', components: short(owners) };
+    const src = fiber._debugSource;
+    if (src && src.fileName) return Object.assign(found, { file: String(src.fileName).slice(0, 2000),
+      line: number(src.lineNumber), column: number(src.columnNumber) });
+    const stack = fiber._debugStack && String(fiber._debugStack.stack || '');
+    for (const line of (stack || '').split('\n').slice(1)) {
+      const m = /(https?:[/][/][^\s()]+?):([0-9]+):([0-9]+)[)]?\s*$/.exec(line);
+      // The first frame in the app's own code: not React's runtime, not a prebundled dependency.
+      if (m && !/[/]node_modules[/]|[/][.]vite|[/]deps[/]|[?&]v=/.test(m[1])) {
+        found.frame = { url: m[1], line: Number(m[2]), column: Number(m[3]) };
+        break;
+      }
+    }
+    return found;
+  }
+  function fromVue(el) {
+    const instance = el.__vueParentComponent;
+    if (!instance) return null;
+    const names = [];
+    for (let i = instance; i && names.length < 3; i = i.parent) {
+      const type = i.type || {};
+      names.push(type.__name || type.name || baseName(type.__file));
+    }
+    const file = instance.type && instance.type.__file;
+    return Object.assign({ via: 'framework', framework: 'vue', components: short(names) },
+      file ? { file: String(file).slice(0, 2000) } : {});
+  }
+  function fromSvelte(el) {
+    const meta = el.__svelte_meta;
+    if (!meta || !meta.loc || !meta.loc.file) return null;
+    const names = [baseName(meta.loc.file)];
+    for (let p = meta.parent; p && names.length < 3; p = p.parent) {
+      if (p.file && baseName(p.file) !== names[names.length - 1]) names.push(baseName(p.file));
+    }
+    // Svelte counts columns from 0; the rest of pinbox (and editors) from 1.
+    return { via: 'framework', framework: 'svelte', file: String(meta.loc.file).slice(0, 2000), line: number(meta.loc.line),
+      column: number(meta.loc.column) != null ? number(meta.loc.column) + 1 : undefined, components: short(names) };
   }
 
   // The first element is the pin's target; the others ride along in target.targets.
@@ -8704,7 +9379,19 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     const os = /Windows/.test(ua) ? 'Windows' : /Android/.test(ua) ? 'Android' : /iPhone|iPad|iPod/.test(ua) ? 'iOS'
       : /Mac OS X|Macintosh/.test(ua) ? 'macOS' : /CrOS/.test(ua) ? 'ChromeOS' : /Linux/.test(ua) ? 'Linux' : 'unknown';
     const dark = window.matchMedia && matchMedia('(prefers-color-scheme: dark)').matches;
-    return { viewport: { w: innerWidth, h: innerHeight, dpr: devicePixelRatio }, browser, os, colorScheme: dark ? 'dark' : 'light' };
+    return { viewport: { w: innerWidth, h: innerHeight, dpr: devicePixelRatio }, browser, os, colorScheme: dark ? 'dark' : 'light',
+      title: String(document.title || '').slice(0, 300) || undefined, userAgent: ua.slice(0, 500) };
+  }
+
+  // What the page saw go wrong (kept since the early hook, or since this script ran):
+  // the newest entries that fit in the hub's 64 KiB.
+  function evidence() {
+    const seen = window.__pinboxEvidence;
+    if (!seen) return undefined;
+    const kept = { console: seen.console.slice(-20), requests: seen.requests.slice(-20) };
+    const size = () => new TextEncoder().encode(JSON.stringify(kept)).length;
+    while (size() > 60000) (kept.console.length >= kept.requests.length ? kept.console : kept.requests).shift();
+    return kept.console.length || kept.requests.length ? kept : undefined;
   }
 
   // ----------------------------------------------------------------- capture
@@ -8922,8 +9609,8 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       ctx.fillStyle = '#fff';
       ctx.fillText(String(i + 1), (b.left + 3) * scale, (b.top - 6) * scale);
     });
-    shots.push(fitting(canvas));
-    if (crop) shots.push(fitting(crop));
+    shots.push(Object.assign(fitting(canvas), { label: 'page' }));
+    if (crop) shots.push(Object.assign(fitting(crop), { label: 'element' }));
     return shots;
   }
 
@@ -9097,7 +9784,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     const body = Object.assign({}, fields);
     const left = [];
     const attachments = (await Promise.all((shots || []).map((shot) => upload(shot.blob, shot.kind || 'screenshot').then(
-      (a) => (shot.width ? Object.assign(a, { width: shot.width, height: shot.height }) : a),
+      (a) => (shot.width ? Object.assign(a, { width: shot.width, height: shot.height, label: shot.label }) : a),
       (err) => { if (!refused(err)) throw err; left.push(err); return null; })))).filter(Boolean);
     if (attachments.length) body.attachments = attachments;
     const data = await api('POST', '/pins', body);
@@ -9121,7 +9808,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       // Re-describe if the elements are still there (they may have moved since the pick).
       const elements = [state.picked].concat(state.extras || []);
       const target = elements.every((el) => el && el.isConnected) ? describeAll(elements) : state.pickedTarget;
-      const body = { text, kind: 'note', target, env: environment(), author: { userId: consumerId() } };
+      const body = { text, kind: 'note', target, env: environment(), evidence: evidence(), author: { userId: consumerId() } };
       let shots = [];
       const missed = [];
       if (ui.captureBox.checked && state.shots) {
@@ -9452,19 +10139,48 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   function attachmentView(a, i, all) {
     if (a && a.url && (!a.contentType || String(a.contentType).startsWith('image/'))) {
       const shots = (all || []).filter((x) => x && x.kind === 'screenshot');
-      const label = a.kind === 'file' ? 'Image added' : shots.length > 1 && shots.indexOf(a) === 0 ? 'Picture of the page'
-        : 'Picture of the element';
+      const label = a.kind === 'file' ? 'Image added' : a.label ? 'Picture of the ' + a.label
+        : shots.length > 1 && shots.indexOf(a) === 0 ? 'Picture of the page' : 'Picture of the element';
       return h('figure', { class: 'shot-frame', 'data-pinbox': 'picture' }, authImage(a.url, label),
         h('figcaption', null, label));
     }
     return h('div', { class: 'note' }, 'attachment: ' + ((a && (a.path || a.id)) || '?'));
   }
 
+  function fileRef(source) {
+    return source && source.file ? [source.file, source.line, source.line && source.column].filter(Boolean).join(':') : '';
+  }
+
   function where(pin) {
     const t = pin.target || {};
     const extra = (t.targets || []).map((x) => x.selector || x.tag).filter(Boolean);
-    const file = t.source && t.source.file ? t.source.file + (t.source.line ? ':' + t.source.line : '') : '';
-    return (t.selector || file || t.url || '') + (extra.length ? ' (+' + extra.join(', ') + ')' : '');
+    return (t.selector || fileRef(t.source) || t.url || '') + (extra.length ? ' (+' + extra.join(', ') + ')' : '');
+  }
+
+  // The element's file and line, to copy into an editor, and how sure pinbox is of it.
+  function sourceView(pin) {
+    const source = (pin.target || {}).source;
+    const ref = fileRef(source);
+    if (!ref) return null;
+    const chain = (source.components || []).join(' < ');
+    return h('div', { class: 'note', 'data-pinbox': 'source' }, h('code', null, ref),
+      ' ' + (source.confidence || 'unverified') + (chain ? ' ' + DOT + ' ' + chain : '') + ' ',
+      h('button', { type: 'button', class: 'link', 'data-pinbox': 'copy-source', title: 'Copy ' + ref,
+        onclick: () => copyText(ref, 'Copied ' + ref) }, 'Copy'));
+  }
+
+  // What went wrong on the page before the pin, folded: one line, the entries inside.
+  function evidenceView(pin) {
+    const e = pin.evidence || {};
+    const logged = e.console || [], failed = e.requests || [];
+    if (!logged.length && !failed.length) return null;
+    const errors = logged.filter((x) => x.level !== 'warn').length;
+    const head = [errors ? errors + ' error' + (errors > 1 ? 's' : '') : '', logged.length - errors ? (logged.length - errors) + ' warning'
+      + (logged.length - errors > 1 ? 's' : '') : '', failed.length ? failed.length + ' failed request' + (failed.length > 1 ? 's' : '') : '']
+      .filter(Boolean).join(', ');
+    return h('details', { class: 'note', 'data-pinbox': 'evidence' }, h('summary', null, 'What the page saw: ' + head),
+      logged.map((x) => h('div', null, h('b', null, x.level + ' '), x.message, x.stack ? h('pre', null, x.stack) : null)),
+      failed.map((x) => h('div', null, h('b', null, x.method + ' '), x.url + ' ' + String.fromCharCode(0x2192) + ' ' + (x.status || 'no answer'))));
   }
 
   // Pin text, status and its buttons (Resolve; Accept and Reopen once resolved): redrawn
@@ -9483,7 +10199,10 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     fill(ui.meta,
       h('div', { class: 'pintext', 'data-pinbox': 'pin-text' }, pin.text || ''),
       h('code', { title: where(pin) }, where(pin)),
-      (pin.attachments || []).length ? h('div', { class: 'shots' }, pin.attachments.map(attachmentView)) : null,
+      sourceView(pin),
+      evidenceView(pin),
+      (pin.attachments || []).some((a) => a.kind !== 'evidence')
+        ? h('div', { class: 'shots' }, pin.attachments.filter((a) => a.kind !== 'evidence').map(attachmentView)) : null,
       notes.map((n) => h('div', { class: 'note' }, n)));
     // Swap the buttons only when the status flips: replacing one mid-click would eat the click.
     const want = resolved ? (pin.verification && pin.verification.outcome === 'accepted' ? 'accepted' : 'verify') : 'resolve';
@@ -10057,7 +10776,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   if (document.body) guard(start)();
   else document.addEventListener('DOMContentLoaded', guard(start), { once: true });
 })();
-""".replace("@ATTACHMENT_LIMIT@", str(ATTACHMENT_LIMIT))
+""".replace("@ATTACHMENT_LIMIT@", str(ATTACHMENT_LIMIT)).replace("/*@EARLY_JS@*/", EARLY_JS)
 
 PAGE_HTML = r"""<!doctype html>
 <html lang="en"><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">

@@ -850,9 +850,96 @@ def bench_sync(runs, workdir):
             dict(name="pinbox sync of one new pin", **summarize(samples["one"]), target_ms=1000)]
 
 
+def synthetic_map(size):
+    """A version 3 source map of about `size` bytes: rows of segments as a bundler writes
+    them (a module of many short lines, each with a few mapped columns)."""
+    import random
+    digits = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+
+    def vlq(value):
+        value = (-value << 1) | 1 if value < 0 else value << 1
+        out = ""
+        while True:
+            digit, value = value & 31, value >> 5
+            out += digits[digit | (32 if value else 0)]
+            if not value:
+                return out
+    rng = random.Random(1)
+    rows, total = [], 0
+    while total < size:
+        row = ",".join(vlq(rng.randrange(1, 30)) + vlq(0) + vlq(rng.randrange(0, 4)) +
+                       vlq(rng.randrange(-20, 20)) for _ in range(rng.randrange(1, 8)))
+        rows.append(row)
+        total += len(row) + 1
+    return json.dumps({"version": 3, "sources": ["src/m%d.tsx" % i for i in range(40)], "names": [],
+                       "mappings": ";".join(rows)}).encode(), len(rows)
+
+
+def bench_evidence(runs, workdir):
+    """What evidence costs. A source map of 2 MB: one position near its end resolved
+    (the map parsed and decoded up to that line), beside only parsing its JSON. And a
+    shop page's load in headless Chromium with the early hook inline at the top of its
+    <head>, beside the same page without it, load for load on one server."""
+    raw, lines = synthetic_map(2 * 1024 * 1024)
+    samples = {"parse": [], "resolve": []}
+    for _ in range(max(runs, 20)):
+        started = time.perf_counter()
+        json.loads(raw)
+        samples["parse"].append((time.perf_counter() - started) * 1000)
+        started = time.perf_counter()
+        found = pinbox.SourceMap(raw, "http://127.0.0.1:5173/assets/app.js").original(lines - 1, 40)
+        samples["resolve"].append((time.perf_counter() - started) * 1000)
+        if not found:
+            raise SystemExit("bench: the position did not resolve")
+    rows = [dict(name="2 MB source map: its JSON parsed (floor)", **summarize(samples["parse"])),
+            dict(name="2 MB source map: a position near its end resolved", **summarize(samples["resolve"]))]
+    sys.path.insert(0, ROOT)
+    from test_pinbox import Chromium, chromium_binary
+    binary = chromium_binary()
+    if binary is None:
+        print("bench: page load timings skipped: chromium not installed")
+        return rows
+    site = os.path.join(workdir, "site")
+    os.makedirs(site)
+    typical_page(site, {"port": 9, "token": "t"})  # (its toolbar tag points nowhere: only the hook is timed)
+    with open(os.path.join(site, "index.html"), "rb") as handle:
+        page = handle.read().replace(b"<script src='http://127.0.0.1:9/toolbar.js' data-token='t'></script>", b"")
+    hooked = pinbox.early_hook(page, "http://127.0.0.1:9", None, False)
+    if hooked == page or b"pinbox early hook" not in hooked:
+        raise SystemExit("bench: the early hook was not put in the page")
+    for name, body in (("with.html", hooked), ("without.html", page)):
+        with open(os.path.join(site, name), "wb") as handle:
+            handle.write(body)
+    app = subprocess.Popen([sys.executable, "-c", KEEP_ALIVE_SERVER], cwd=site, stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL)
+    port = int(app.stdout.readline())
+    browser = Chromium(binary, workdir)
+    loaded = ("new Promise(r => { const done = () => setTimeout(() => { const t = performance.getEntriesByType("
+              "'navigation')[0]; r(t.loadEventStart - t.startTime); }); if (document.readyState === 'complete') "
+              "done(); else addEventListener('load', done); })")
+    try:
+        times = {"with.html": [], "without.html": []}
+        for _ in range(max(runs, 30)):
+            for name in times:
+                browser.open("http://127.0.0.1:%d/%s" % (port, name))
+                times[name].append(browser.evaluate(loaded))
+        browser.open("http://127.0.0.1:%d/with.html" % port)
+        if not browser.evaluate("!!window.__pinboxEvidence"):
+            raise SystemExit("bench: the early hook did not run")
+        added = [a - b for a, b in zip(times["with.html"], times["without.html"])]
+        rows += [dict(name="shop page load, no early hook", **summarize(times["without.html"])),
+                 dict(name="shop page load, early hook inline in <head>", **summarize(times["with.html"])),
+                 dict(name="  added by the early hook (paired)", **summarize(added), target_ms=2)]
+        return rows
+    finally:
+        browser.close()
+        app.terminate()
+        app.wait()
+
+
 BENCHMARKS = {"hooks": bench_hooks, "flood": bench_flood, "commit": bench_commit, "cli": bench_cli, "hub": bench_hub,
               "delivery": bench_delivery, "inbox": bench_inbox, "proxy": bench_proxy, "toolbar": bench_toolbar,
-              "mcp": bench_mcp, "sync": bench_sync}
+              "mcp": bench_mcp, "sync": bench_sync, "evidence": bench_evidence}
 
 
 def format_row(row):
