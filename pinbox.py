@@ -3556,9 +3556,23 @@ BASE64_DIGITS = {c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghi
 STACK_FRAME = r"(https?://[^\s()'\"<>]+?):(\d{1,9}):(\d{1,9})"  # where a stack names a position in a module
 
 
+def segment_values(segment):
+    """The whole numbers of one segment of `mappings`, or KeyError: not Base64 VLQ."""
+    values, value, shift = [], 0, 0
+    for char in segment:
+        digit = BASE64_DIGITS[char]
+        value += (digit & 31) << shift
+        if digit & 32:
+            shift += 5
+            continue
+        values.append(-(value >> 1) if value & 1 else value >> 1)
+        value = shift = 0
+    return tuple(values)
+
+
 class SourceMap:
-    """A version 3 source map, its `mappings` decoded only as far as asked (a 2 MB map
-    for one position is decoded up to that position's line)."""
+    """A version 3 source map, its `mappings` decoded only as far as asked: for one
+    position of a 2 MB map, the rows before it are only summed, and its own decoded."""
 
     def __init__(self, raw, base):
         from urllib.parse import urljoin
@@ -3569,38 +3583,43 @@ class SourceMap:
         root = root + "/" if root and not root.endswith("/") else root
         self.sources = [urljoin(base, root + s) if isinstance(s, str) else "" for s in data.get("sources") or ()]
         self.rows = data["mappings"].split(";")
-        self.lines = []  # decoded rows: [(column, source, line, column)], all absolute
-        self.state = [0, 0, 0]  # source, line and column carry on from row to row
+        self.starts = []  # each row's (source, line, column) carried over from the rows before it
+        self.state = (0, 0, 0)
+        self.known = {}  # a segment's text -> its numbers (a map repeats its segments)
+
+    def values(self, row):
+        known = self.known
+        for segment in row.split(","):
+            values = known.get(segment)
+            if values is None:
+                values = known[segment] = segment_values(segment)
+            yield values
 
     def row(self, index):
-        while len(self.lines) <= index < len(self.rows):
-            try:
-                self.lines.append(self._decode(self.rows[len(self.lines)]))
-            except (KeyError, IndexError):  # not Base64 VLQ: nothing from here on maps
-                self.rows = self.rows[:len(self.lines)]
-        return self.lines[index] if 0 <= index < len(self.lines) else []
-
-    def _decode(self, text):
-        segments, column, state = [], 0, self.state
-        for segment in text.split(","):
-            values, value, shift = [], 0, 0
-            for char in segment:
-                digit = BASE64_DIGITS[char]  # (a KeyError: not Base64 VLQ)
-                value += (digit & 31) << shift
-                if digit & 32:
-                    shift += 5
-                    continue
-                values.append(-(value >> 1) if value & 1 else value >> 1)
-                value = shift = 0
-            if not values:
-                continue
-            column += values[0]
-            if len(values) >= 4:
-                state[0] += values[1]
-                state[1] += values[2]
-                state[2] += values[3]
-                segments.append((column, state[0], state[1], state[2]))
-        return segments
+        """The segments of a 0-based generated row: [(column, source, line, column)],
+        all absolute; [] past the end, or from a row that is not Base64 VLQ on."""
+        try:
+            while len(self.starts) <= index < len(self.rows):
+                self.starts.append(self.state)
+                source, line, column = self.state
+                for values in self.values(self.rows[len(self.starts) - 1]):
+                    if len(values) >= 4:
+                        source, line, column = source + values[1], line + values[2], column + values[3]
+                self.state = (source, line, column)
+            if not 0 <= index < len(self.starts):
+                return []
+            segments, at, (source, line, column) = [], 0, self.starts[index]
+            for values in self.values(self.rows[index]):
+                if values:
+                    at += values[0]
+                if len(values) >= 4:
+                    source, line, column = source + values[1], line + values[2], column + values[3]
+                    segments.append((at, source, line, column))
+            return segments
+        except KeyError:  # not Base64 VLQ: nothing from here on maps
+            self.rows = self.rows[:len(self.starts) - 1]
+            del self.starts[len(self.rows):]
+            return []
 
     def original(self, line, column):
         """(source, line, column) of a 1-based generated position, or None."""
