@@ -1891,10 +1891,14 @@ def evidence_words(evidence, home=""):
 
 def first_frame(stack):
     """The first `file:line` of a stack that names a file of the checkout (a mapped
-    frame), not an address."""
-    import re
-    found = re.search(r"(?<![\w/:.])((?:[\w.@-]+/)*[\w.@-]+\.\w+:\d+)(?::\d+)?", stack)
-    return found.group(1) if found and "node_modules" not in found.group(1) else ""
+    frame), not an address or a dependency. (No regular expression: this runs in the
+    prompt hook, which never imports `re`.)"""
+    for word in stack.replace("(", " ").replace(")", " ").split():
+        path, _, rest = word.partition(":")
+        line = rest.split(":")[0]
+        if line.isdigit() and "." in path.rsplit("/", 1)[-1] and "//" not in rest and "node_modules" not in path:
+            return path + ":" + line
+    return ""
 
 
 def agent_pin_line(pin, home="", limit=600):
@@ -3972,9 +3976,14 @@ def page_evidence(hub, fields, map_position):
         if entry.get("stack"):
             entry["stack"] = map_stack(entry["stack"], map_position, hub.root)
     requests = [dict(r, url=hub.app_address(r["url"])) for r in evidence.get("requests") or ()]
-    seen = {(r["method"], r["url"], r["status"]) for r in requests}
-    url = hide_secrets(fields["target"].get("url") or "")
-    requests += [r for r in hub.failures_on(url) if (r["method"], r["url"], r["status"]) not in seen]
+    # What the proxy carried fills in what the page could not tell (a picture that did
+    # not load has no status in the page), and adds what the page did not see.
+    carried = {(r["method"], r["url"]): r for r in hub.failures_on(hide_secrets(fields["target"].get("url") or ""))}
+    for request in requests:
+        also = carried.pop((request["method"], hide_secrets(request["url"])), None)
+        if also and not request["status"]:
+            request["status"] = also["status"]
+    requests += list(carried.values())
     if requests:
         evidence["requests"] = requests[-20:]
     if not any(evidence.values()):
@@ -5958,9 +5967,13 @@ def pin_brief(pin):
     target = pin.get("target") or {}
     paths = [a["path"] for a in pin.get("attachments") or () if isinstance(a, dict) and a.get("path")]
     pictures = [p for p in paths if picture_type(p)]
+    said = {"element": element_words(target), "source": source_words(target.get("source")),
+            "evidence": evidence_words(pin.get("evidence"))}
     return ordered({"id": pin["id"], "n": pin.get("n"), "status": pin.get("status"), "text": pin.get("text"),
                     "where": pin_locus(pin), "others": [t.get("selector") for t in target.get("targets") or ()] or None,
-                    "page": target.get("url"), "screenshots": pictures or None,
+                    "page": target.get("url"), "title": (pin.get("env") or {}).get("title"),
+                    **{k: v.split(" ", 1)[1] if v else None for k, v in said.items()},
+                    "screenshots": pictures or None,
                     "files": [p for p in paths if p not in pictures] or None,
                     "agentSession": pin.get("agentSession"), "createdAt": pin.get("createdAt")},
                    ("id", "n", "status", "text"))
@@ -6238,7 +6251,8 @@ class McpServer:
                 with open(path, "rb") as handle:
                     images.append({"type": "image", "data": base64.b64encode(handle.read()).decode("ascii"),
                                    "mimeType": kind})
-        data = {"note": DATA_NOTE, "pin": pin_brief(pin), "target": pin.get("target"),
+        data = {"note": DATA_NOTE, "pin": pin_brief(pin), "target": pin.get("target"), "evidence": pin.get("evidence"),
+                "env": pin.get("env"),
                 "thread": get_thread(self.store, pin["id"]), "deliveries": deliveries_for_pin(self.store, pin["id"])}
         return data, images
 
@@ -10114,6 +10128,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     state.threadId = id;
     state.messages = [];
     ui.meta = h('div', { class: 'meta' });
+    ui.found = h('div', { class: 'meta' });  // the pin's source and evidence: drawn once per pin
     ui.progress = h('div', { class: 'progress', 'data-pinbox': 'progress', role: 'status' });
     ui.list = h('div', { class: 'messages', 'aria-label': 'Thread', role: 'log' }, h('div', { class: 'empty' }, 'Loading...'));
     ui.reply = h('textarea', { 'data-pinbox': 'reply', 'aria-label': 'Reply', placeholder: 'Reply... (Ctrl+Enter sends)',
@@ -10125,7 +10140,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     ui.thread = h('section', { class: 'panel thread', 'data-pinbox': 'thread', role: 'dialog', 'aria-label': 'Pin thread' },
       h('div', { class: 'head' }, ui.title, ui.badge, h('span', { class: 'grow' }),
         h('button', { type: 'button', class: 'x', 'aria-label': 'Close thread', onclick: closeThread }, TIMES)),
-      ui.meta, ui.progress, ui.list, ui.reply,
+      ui.meta, ui.found, ui.progress, ui.list, ui.reply,
       h('div', { class: 'actions' }, ui.statusButton, ui.send));
     ui.layer.append(ui.thread);
     placePanel(ui.thread);
@@ -10215,11 +10230,15 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     const notes = [];
     if (pin.machine) notes.push('Pinned ' + fromMachine(pin));
     if (pin.verification) notes.push('Verification: ' + pin.verification.outcome + (pin.verification.note ? ': ' + pin.verification.note : ''));
+    // Never redrawn for the same pin: an update would fold the evidence the person
+    // opened, or swap the Copy button mid-click.
+    if (ui.found.getAttribute('data-for') !== pin.id) {
+      ui.found.setAttribute('data-for', pin.id);
+      fill(ui.found, sourceView(pin), evidenceView(pin));
+    }
     fill(ui.meta,
       h('div', { class: 'pintext', 'data-pinbox': 'pin-text' }, pin.text || ''),
       h('code', { title: where(pin) }, where(pin)),
-      sourceView(pin),
-      evidenceView(pin),
       (pin.attachments || []).some((a) => a.kind !== 'evidence')
         ? h('div', { class: 'shots' }, pin.attachments.filter((a) => a.kind !== 'evidence').map(attachmentView)) : null,
       notes.map((n) => h('div', { class: 'note' }, n)));

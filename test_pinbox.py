@@ -4429,7 +4429,83 @@ class TestEvidenceInChromium(HubCase):
         evidence_file = [a["path"] for a in shown["attachments"] if a["kind"] == "evidence"][0]
         with open(evidence_file) as handle:
             self.assertEqual(json.load(handle), shown["evidence"])
+        # The thread on the page: the file and line to copy, and the evidence folded.
+        ref = ":".join(str(part) for part in (cart, source["line"], source.get("column")) if part)  # (Vue: no column)
+        b.allow_clipboard(b.evaluate("location.origin"))
+        b.click_at(toolbar_element('[data-pinbox="marker"][data-pin-id="%s"]' % pin["id"]))
+        b.wait_for("!!(%s)" % toolbar_element('[data-pinbox="copy-source"]'))
+        self.assertIn(ref + " exact", b.evaluate("(%s).textContent" % toolbar_element('[data-pinbox="source"]')))
+        summary = b.evaluate("(%s).textContent" % toolbar_element('[data-pinbox="evidence"] summary'))
+        self.assertTrue(summary.startswith("What the page saw: %d errors" % len(
+            [e for e in pin["evidence"]["console"] if e["level"] != "warn"])), summary)
+        self.assertTrue(summary.endswith(", %d failed requests" % len(pin["evidence"]["requests"])), summary)
+        self.assertFalse(b.evaluate("(%s).open" % toolbar_element('[data-pinbox="evidence"]')))  # folded
+        b.click_at(toolbar_element('[data-pinbox="copy-source"]'))
+        try:
+            b.wait_for("navigator.clipboard.readText().then(t => t === %s)" % json.dumps(ref))
+        except AssertionError:
+            raise AssertionError("not copied; toasts: %s; clipboard: %r" % (b.evaluate(
+                "Array.from(document.getElementById('pinbox-toolbar-host').shadowRoot.querySelectorAll('.toast'))"
+                ".map(t => t.textContent).join(' | ')"), b.evaluate("navigator.clipboard.readText().catch(e => String(e))")))
         return pin
+
+    def test_the_app_sees_and_logs_exactly_what_it_did_without_pinbox(self):
+        page = ('<!doctype html><html><head><title>Plain app</title><script>'
+                'window.seen = {errors: [], rejections: [], log: []};'
+                'addEventListener("error", (e) => seen.errors.push(e.target === window ? e.message : "resource " + '
+                '  e.target.tagName), true);'
+                'onunhandledrejection = (e) => { seen.rejections.push(String(e.reason)); };'
+                'const original = console.error; console.error = function () { seen.log.push([].slice.call(arguments)); '
+                '  return original.apply(this, arguments); };'
+                '</script></head><body><h1 id="title">Plain app</h1><img id="gone" src="/missing.png"><script>'
+                '(async () => {'
+                '  const r = await fetch("/api/fail", {method: "PUT"});'
+                '  seen.fetch = [r.status, r.statusText, await r.text(), r instanceof Response, r.ok];'
+                '  const unbound = window.fetch; const ok = await unbound("/api/ok"); seen.unbound = await ok.text();'
+                '  try { await fetch("http://127.0.0.1:9/refused"); } catch (e) { seen.refused = e.name; }'
+                '  await new Promise((done) => { const x = new XMLHttpRequest(); x.open("GET", "/api/fail?x=1");'
+                '    x.onload = () => { seen.xhr = [x.status, x.responseText, x.readyState]; done(); }; x.send(); });'
+                '  console.error("app says", 42, {a: 1});'
+                '  console.warn("careful");'
+                '  setTimeout(() => { throw new Error("late throw"); });'
+                '  Promise.reject(new Error("nobody caught me"));'
+                '  setTimeout(() => { seen.done = true; }, 50);'
+                '})();</script></body></html>')
+        pages = {"/": lambda h: send_plain(h, 200, page.encode(), [("Content-Type", "text/html")]),
+                 "/api/fail": lambda h: send_plain(h, 503, b"busy", [("Content-Type", "text/plain")]),
+                 "/api/ok": lambda h: send_plain(h, 200, b"fine", [("Content-Type", "text/plain")])}
+        app, _ = fake_app(self, pages)
+        proxy = self.ok("open", "http://127.0.0.1:%d" % app, "--no-browser")["url"]
+        b = self.browser
+        seen, logged = {}, {}
+        for name, url in (("alone", "http://127.0.0.1:%d/" % app), ("pinbox", proxy)):
+            b.open(url)
+            b.wait_for("window.seen && seen.done === true && seen.errors.length >= 2", 10)
+            seen[name] = b.evaluate("seen")
+            seen[name]["errors"].sort()  # (a picture's error and a timer's throw: either may come first)
+            logged[name] = [(e["params"]["type"], [a.get("value", a.get("description")) for a in e["params"]["args"]])
+                            for e in b.events if e.get("method") == "Runtime.consoleAPICalled"]
+            thrown = [e for e in b.events if e.get("method") == "Runtime.exceptionThrown"]
+            self.assertEqual(len(thrown), 2, name)  # the throw and the rejection: still uncaught, still shown
+        self.assertEqual(seen["pinbox"], seen["alone"])
+        self.assertEqual(seen["alone"]["fetch"], [503, "Service Unavailable", "busy", True, False])
+        self.assertEqual((seen["alone"]["unbound"], seen["alone"]["refused"]), ("fine", "TypeError"))
+        self.assertIn(["app says", 42, {"a": 1}], seen["alone"]["log"])
+        # What reached the browser's console is what the app logged, in the same order.
+        pinbox_log = [entry for entry in logged["pinbox"] if entry[0] in ("error", "warning")]
+        self.assertEqual(pinbox_log, [entry for entry in logged["alone"] if entry[0] in ("error", "warning")])
+        self.assertIn(("error", ["app says", 42, "Object"]), pinbox_log)
+        # And pinbox kept it all for the next pin.
+        kept = b.evaluate("window.__pinboxEvidence")
+        # (In the order they happened: a timer's throw, a rejection and a picture's load are
+        # each on a clock of their own, so they are compared as sets.)
+        self.assertEqual(sorted((e["level"], e["message"]) for e in kept["console"]),
+                         [("error", 'app says 42 {"a":1}'), ("exception", "Uncaught Error: late throw"),
+                          ("rejection", "Error: nobody caught me"), ("warn", "careful")])
+        self.assertEqual(sorted((r["kind"], r["method"], r["url"].split("/", 3)[3], r["status"]) for r in kept["requests"]),
+                         [("fetch", "GET", "refused", 0), ("fetch", "PUT", "api/fail", 503),
+                          ("resource", "GET", "missing.png", 0), ("xhr", "GET", "api/fail?x=1", 503)])
+        self.assertFalse(b.evaluate("Object.keys(window).includes('__pinboxEvidence')"))  # not among the app's globals
 
     def test_react_19_through_its_owner_stack_and_source_maps(self):
         self.pin_after_the_button_fails("react19", "jsx")
@@ -4448,7 +4524,7 @@ class TestSecretsNeverKept(HubCase):
     """What a page holds that is secret never reaches anything pinbox writes or sends."""
 
     SECRETS = ("URLSECRET1x", "COOKIESECRET2x", "KEYSECRET3x", "AUTHSECRET4x", "PWSECRET5x", "HIDDENSECRET6x",
-               "CARDSECRET7x")
+               "CARDSECRET7x", "SIGSECRET8x")
 
     def setUp(self):
         binary = chromium_binary()
@@ -4461,7 +4537,8 @@ class TestSecretsNeverKept(HubCase):
     def test_a_password_a_bearer_token_a_cookie_and_a_token_in_the_address_appear_nowhere(self):
         page = ('<!doctype html><html><head><title>Account</title></head><body><h1 id="title">Account</h1>'
                 '<form><input type="password" id="pw"><input type="hidden" name="csrf" value="HIDDENSECRET6x">'
-                '<input id="card" autocomplete="cc-number"></form><button id="save">Save</button><script>'
+                '<input id="card" autocomplete="cc-number"></form><button id="save">Save</button>'
+                '<img src="/logo.png?sig=SIGSECRET8x" alt="logo"><script>'
                 'document.cookie = "sid=COOKIESECRET2x";'
                 'document.getElementById("save").onclick = () => {'
                 '  fetch("/api/save?api_key=KEYSECRET3x", {method: "POST", headers: {Authorization: "Bearer AUTHSECRET4x"}});'
@@ -4485,7 +4562,7 @@ class TestSecretsNeverKept(HubCase):
         b.click_at("document.getElementById('card')")
         b.type_text("CARDSECRET7x")
         b.click_at("document.getElementById('save')")
-        b.wait_for("window.__pinboxEvidence.requests.length === 2 && window.__pinboxEvidence.console.length === 1", 10)
+        b.wait_for("window.__pinboxEvidence.requests.length === 3 && window.__pinboxEvidence.console.length === 1", 10)
         drop_pin(b, "document.getElementById('title')", "The title should say whose account")
         [pin] = self.ok("list")
         # The page did send its secrets to its own app (pinbox changes nothing there)...
@@ -4493,8 +4570,11 @@ class TestSecretsNeverKept(HubCase):
         # ...and the pin still says what went wrong, by name.
         self.assertEqual(pin["target"]["url"], "http://127.0.0.1:%d/account?token=[hidden]&tab=2" % app)
         failed = {(r["method"], r["url"].split("/", 3)[3], r["status"]) for r in pin["evidence"]["requests"]}
-        self.assertLessEqual({("POST", "api/save?api_key=[hidden]", 500), ("GET", "api/me?session=[hidden]", 401)},
-                             failed)
+        # (The picture that did not load: its status from the proxy, which carried the 404.)
+        self.assertLessEqual({("POST", "api/save?api_key=[hidden]", 500), ("GET", "api/me?session=[hidden]", 401),
+                              ("GET", "logo.png?sig=[hidden]", 404)}, failed)
+        self.assertEqual(len(failed), len(pin["evidence"]["requests"]))  # each once, the page's and the proxy's
+        self.assertNotIn(0, {status for _, _, status in failed})
         context = self.run_pinbox("session", "inject", "--hook", "--agent", "claude",
                                   stdin=payload("secret-session", "UserPromptSubmit", self.repo)).out
         self.assertIn("POST /api/save?api_key=[hidden] → 500", context)
