@@ -1020,6 +1020,19 @@ def toolbar_element(selector):
     return "document.getElementById('pinbox-toolbar-host').shadowRoot.querySelector(%s)" % json.dumps(selector)
 
 
+def eventually(check, timeout=10, what="the condition"):
+    """check()'s first truthy value, asked again until `timeout` seconds pass (a hang
+    guard, not a timing assertion); fails saying `what` never came."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = check()
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError("never happened within %g s: %s" % (timeout, what))
+        time.sleep(0.05)
+
+
 def drop_pin(browser, target, text):
     """A person drops a pin: the toolbar's button, a click on the element, the comment,
     Submit. Waits for its marker."""
@@ -2019,6 +2032,103 @@ class TestRouting(HookCase):
         self.assertNotEqual(sessions[0]["id"], sid)
         self.assertEqual(self.rows()[-1][1], sessions[0]["id"])
         self.assertIn("are you there?", self.inject("k1"))  # the session comes back and pulls it
+
+
+class TestNotesVerdictsNudges(HookCase):
+    """What a note, a person's verdict and a nudge do to the agent's context and the ledger."""
+
+    def test_a_note_is_context_shown_once_never_work_never_a_hold(self):
+        self.register("k1")
+        task = self.pin("The total is cut off")
+        note = self.ok("pin", "We are moving to the new design system next month", "--kind", "note")
+        self.assertEqual(note["intent"], "note")
+        first = self.inject("k1")
+        self.assertIn("Pinbox: 1 open pin(s).", first)  # the note is not work
+        at = first.index("Notes from the person (context for your work, not tasks; each shown once):")
+        self.assertIn("new design system", first[at:])
+        self.assertNotIn("new design system", first[:at])
+        self.assertIn(task["text"], first)
+        second = self.inject("k1")
+        self.assertNotIn("new design system", second)  # once
+        self.assertIn(task["text"], second)  # a task is shown every prompt
+        # A note made mid-turn never holds the Stop; the next prompt shows it.
+        mid = self.ok("pin", "FYI: the staging server is slow today", "--kind", "note")
+        self.assertEqual(self.stop("k1"), "")
+        self.assertIn("staging server is slow", self.inject("k1"))
+        self.assertEqual({p["id"] for p in self.ok("list", "--status", "open", "--kind", "task")}, {task["id"]})
+        self.assertEqual({p["id"] for p in self.ok("list", "--kind", "note")}, {note["id"], mid["id"]})
+        self.assertIn("expected task or note", self.fails("E_INVALID_INPUT", 2, "list", "--kind", "chore")["message"])
+
+    def test_a_note_or_an_accepted_fix_never_wakes_an_ended_session(self):
+        bin_dir = os.path.join(self.tmp, "bin")  # a `claude` to resume with: an ended session could be woken
+        os.makedirs(bin_dir)
+        with open(os.path.join(bin_dir, "claude"), "w") as handle:
+            handle.write("#!/bin/sh\nexit 0\n")
+        os.chmod(os.path.join(bin_dir, "claude"), 0o755)
+        self.env["PATH"] = bin_dir + os.pathsep + self.env["PATH"]
+        sid = self.register("k-ended")
+        pin = self.pin("Logo is blurry")
+        self.inject("k-ended")
+        self.ok("resolve", pin["id"], "--as", "agent", "--session", sid)
+        self.ok("session", "end", sid)
+        note = self.ok("pin", "The logo file is in assets/brand", "--kind", "note")
+        self.ok("verify", pin["id"], "--outcome", "accepted")
+        self.ok("reopen", pin["id"], "--note", "the logo is blurry again")  # work: this one wakes it
+        rows = self.sql("SELECT d.adapter, d.status, d.due_at IS NULL, e.type FROM deliveries d JOIN events e "
+                        "ON e.seq = d.event_seq WHERE e.type IN ('pin.created', 'pin.verified') AND d.pin_id IN (?, ?) "
+                        "ORDER BY d.id", note["id"], pin["id"])
+        # The note and the accept wait for a session's next prompt, with no due time: no
+        # worker ever pushes them. The reopen is due to the resume adapter now.
+        self.assertEqual(rows[-3:], [("none", "pending", True, "pin.created"), ("hooks", "pending", True, "pin.verified"),
+                                     ("resume", "pending", False, "pin.verified")])
+
+    def test_the_persons_verdict_reaches_the_session_that_made_the_fix(self):
+        self.register("k1")
+        accepted, reopened = self.pin("Button too small"), self.pin("Header overlaps")
+        self.inject("k1")
+        for pin in (accepted, reopened):
+            self.ok("resolve", pin["id"], "--as", "agent")
+        self.assertEqual(self.human("verify", accepted["id"], "--outcome", "accepted").out.splitlines()[0],
+                         "%s verified" % accepted["id"])
+        self.ok("verify", reopened["id"], "--outcome", "reopened", "--note", "still overlaps on mobile")
+        context = self.inject("k1")
+        self.assertIn("Pinbox: the person accepted your fix of pin %s (verified; nothing to do)" % accepted["id"], context)
+        self.assertIn("Pinbox: a human reopened pin %s (rejected the fix)" % reopened["id"], context)
+        self.assertIn("still overlaps on mobile", context)
+        again = self.inject("k1")
+        self.assertNotIn("accepted your fix", again)  # said once
+        self.assertEqual(self.ok("show", accepted["id"])["pin"]["verification"]["outcome"], "accepted")
+        self.assertIn("expected accepted or reopened", self.fails("E_INVALID_INPUT", 2, "verify", accepted["id"], "--outcome", "maybe")["message"])
+        self.assertIn("--outcome is required", self.fails("E_INVALID_INPUT", 2, "verify", accepted["id"])["message"])
+        self.assertEqual(self.fails("E_CONFLICT", 4, "verify", reopened["id"], "--outcome", "accepted")["code"], "E_CONFLICT")
+
+    def test_a_nudge_puts_the_pin_first_in_the_next_context_and_in_the_ledger(self):
+        self.register("k1")
+        older = self.pin("Search box loses focus")
+        self.pin("Footer links wrap")
+        self.inject("k1")
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        try:
+            pinbox.nudge_pin(store, older["id"])
+            pinbox.nudge_pin(store, older["id"])  # each nudge is its own event and ledger row
+        finally:
+            store.close()
+        context = self.inject("k1")
+        lines = context.split("\n")
+        self.assertTrue(lines[1].startswith("Nudged by the person (no response from you yet"), lines[:3])
+        self.assertIn(older["id"], lines[2])
+        self.assertEqual(context.count("Search box loses focus"), 2)  # first as nudged, then among the open pins
+        nudges = self.sql("SELECT d.status, d.adapter FROM deliveries d JOIN events e ON e.seq = d.event_seq "
+                          "WHERE e.type = 'pin.nudged'")
+        self.assertEqual(nudges, [("delivered", "hooks")] * 2)
+        self.assertNotIn("Nudged", self.inject("k1"))
+        note = self.ok("pin", "just context", "--kind", "note")
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        try:
+            with self.assertRaises(pinbox.PinboxError):
+                pinbox.nudge_pin(store, note["id"])  # a note is never work
+        finally:
+            store.close()
 
 
 class TestFloods(HookCase):
@@ -3142,6 +3252,224 @@ class TestInboxOverHttp(HubCase):
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not (os.path.isdir(folder) and os.listdir(folder)):
             time.sleep(0.02)
+
+
+# ============================================================================
+# Questions: an agent asks the person to point at something
+# ============================================================================
+
+ASK_CLIENT = r"""
+import json, os, sys, time
+import anyio
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+
+python, script, cwd, page = sys.argv[1:5]
+
+
+async def main():
+    params = StdioServerParameters(command=python, args=[script, "mcp"], cwd=cwd, env=dict(os.environ))
+    async with Client(params, mode="auto") as client:
+        print("READY", flush=True)
+        result = await client.call_tool("pinbox_ask", {"question": "Which of these do you mean?", "page": page,
+                                                       "timeout": 60})
+        answered = time.time()
+        images = [c.type for c in result.content if c.type == "image"]
+        print(json.dumps({"error": result.is_error, "data": result.structured_content, "images": images,
+                          "answeredAt": answered}), flush=True)
+
+
+anyio.run(main)
+"""
+
+
+class TestTheLoopOnThePage(HubCase):
+    """The person on their page: the fix seen before and after, their verdict, an
+    agent's question answered by pointing, a pin nobody answered nudged."""
+
+    HUB_ENV = {"PINBOX_STALE_MS": "300"}
+
+    def setUp(self):
+        binary = chromium_binary()
+        if binary is None:
+            self.skipTest("chromium not installed (Debian package chromium; .ci/run installs it)")
+        super().setUp()
+        self.browser = Chromium(binary, self.tmp)
+        self.addCleanup(self.browser.close)
+        self.colours = {"buy": "#cc2222", "pay": "#2222cc"}
+        pages = {"/shop": lambda h: send_plain(h, 200, self.shop_page().encode(), [("Content-Type", "text/html")])}
+        app, _ = fake_app(self, pages)
+        self.url = self.ok("open", "http://127.0.0.1:%d" % app, "--no-browser")["url"].rstrip("/") + "/shop"
+
+    def shop_page(self):
+        return ('<!doctype html><html><head><title>Shop</title></head><body style="margin:40px">'
+                '<h1 id="title">Shoes</h1><p id="intro">Leather, handmade.</p>' + "".join(
+                    '<button id="%s" style="background:%s;color:#fff;border:0;padding:20px 40px;font-size:20px;'
+                    'margin:10px">%s</button>' % (name, colour, name.title()) for name, colour in self.colours.items())
+                + '</body></html>')
+
+    def context(self, key="k1"):
+        out = self.run_pinbox("session", "inject", "--hook", "--agent", "claude",
+                              stdin=payload(key, "UserPromptSubmit", self.repo)).out
+        return json.loads(out)["hookSpecificOutput"]["additionalContext"] if out else ""
+
+    def markers(self, count):
+        self.browser.wait_for("%s.length === %d" % (
+            toolbar_element('[data-pinbox="marker"]').replace("querySelector(", "querySelectorAll("), count))
+
+    def test_before_and_after_a_fix_then_accept_and_reopen(self):
+        b = self.browser
+        self.context()  # the session that will get the pins
+        b.open(self.url)
+        drop_pin(b, "document.getElementById('buy')", "The Buy button is hard to read")
+        drop_pin(b, "document.getElementById('pay')", "The Pay button is hard to read")
+        self.markers(2)
+        pay, buy = self.ok("list")
+        self.context()
+        # The fix: the page changes, and a commit says which pins it fixes.
+        self.colours.update(buy="#116611", pay="#116611")
+        with open(os.path.join(self.repo, "shop.css"), "w") as handle:
+            handle.write("button { background: #116611 }\n")
+        git(self.repo, "add", "shop.css")
+        git(self.repo, "commit", "-qm", "Readable buttons\n\nFixes: %s, %s" % (buy["id"], pay["id"]))
+        self.assertEqual({p["status"] for p in self.ok("list")}, {"resolved"})
+        b.open(self.url)  # the page again: the toolbar looks at each fixed element
+        fixed = eventually(lambda: [p for p in self.ok("list") if p.get("after")] if all(
+            p.get("after") for p in self.ok("list")) else None, 15, "after pictures for both pins")
+        for pin in fixed:
+            self.assertEqual((pin["after"]["found"], pin["after"]["errorsNow"]), (True, 0), pin["after"])
+            before = [a for a in pin["attachments"] if a.get("label") == "element"][0]
+            after = [a for a in pin["attachments"] if a["kind"] == "after"][0]
+            with open(before["path"], "rb") as handle:
+                w1, h1, was = read_png(handle.read())
+            with open(after["path"], "rb") as handle:
+                w2, h2, now = read_png(handle.read())
+            self.assertEqual((w1, h1), (w2, h2))  # the same element, at the same viewport
+            # Where the button was red or blue it is green now.
+            self.assertNotEqual(was[h1 // 4][w1 // 8][:3], now[h2 // 4][w2 // 8][:3])
+            self.assertGreater(now[h2 // 4][w2 // 8][1], now[h2 // 4][w2 // 8][0])
+        # The thread shows the two pictures side by side; Accept for Buy.
+        b.click_at(toolbar_element('[data-pinbox="marker"][data-pin-id="%s"]' % buy["id"]))
+        b.wait_for("!!(%s)" % toolbar_element('[data-pinbox="accept"]'))
+        captions = b.evaluate("Array.from(%s).map(f => f.textContent)" % toolbar_element(
+            '[data-pinbox="picture"]').replace("querySelector(", "querySelectorAll("))
+        self.assertIn("After the fix", captions)
+        self.assertIn("Picture of the element", captions)
+        self.assertIn("After the fix: console errors then 0, now 0", b.evaluate(
+            "(%s).textContent" % toolbar_element('[data-pinbox="thread"]')))
+        b.click_at(toolbar_element('[data-pinbox="accept"]'))
+        eventually(lambda: (self.ok("show", buy["id"])["pin"].get("verification") or {}).get("outcome") == "accepted",
+                   10, "the accept")
+        # Reopen for Pay, with words in the reply box.
+        b.key("Escape")  # (the thread closes: it may cover the next marker)
+        b.click_at(toolbar_element('[data-pinbox="marker"][data-pin-id="%s"]' % pay["id"]))
+        b.wait_for("(%s || {}).textContent === %s && !!(%s)" % (
+            toolbar_element('[data-pinbox="pin-text"]'), json.dumps(pay["text"]), toolbar_element('[data-pinbox="reopen"]')))
+        b.click_at(toolbar_element('[data-pinbox="reply"]'))
+        b.type_text("Still too dark on my phone")
+        b.click_at(toolbar_element('[data-pinbox="reopen"]'))
+        eventually(lambda: self.ok("show", pay["id"])["pin"]["status"] == "open", 10, "the reopen")
+        context = self.context()
+        self.assertEqual(context.count("the person accepted your fix of pin %s" % buy["id"]), 1)
+        at = context.index("Pinbox: a human reopened pin %s" % pay["id"])
+        reopen = context[at:]
+        self.assertIn("Still too dark on my phone", reopen)
+        paths = {a.get("label") or a["kind"]: a["path"]
+                 for a in self.ok("show", pay["id"])["pin"]["attachments"] if a.get("path")}
+        self.assertIn("the element " + paths["element"], reopen)
+        self.assertIn("after the fix " + paths["after"], reopen)
+        self.assertNotIn("accepted your fix", self.context())  # once
+
+    def test_a_pin_nobody_answered_shows_no_response_yet_and_a_nudge_reaches_the_session_first(self):
+        b = self.browser
+        self.context()
+        b.open(self.url)
+        drop_pin(b, "document.getElementById('title')", "The title should say which shoes")
+        [pin] = self.ok("list")
+        self.context()  # delivered; then the agent says nothing past PINBOX_STALE_MS (300 ms here)
+        b.click_at(toolbar_element('[data-pinbox="marker"]'))
+        b.wait_for("!!(%s)" % toolbar_element('[data-pinbox="nudge"]'), 15)
+        self.assertTrue(b.evaluate("(%s).textContent" % toolbar_element('[data-pinbox="progress"]'))
+                        .startswith("No response yet: Delivered to claude"))
+        b.click_at(toolbar_element('[data-pinbox="nudge"]'))
+        eventually(lambda: self.sql("SELECT COUNT(*) FROM events WHERE type = 'pin.nudged'")[0][0] == 1, 10, "the nudge")
+        context = self.context()
+        self.assertTrue(context.split("\n")[1].startswith("Nudged by the person"), context[:300])
+        self.assertIn(pin["id"], context.split("\n")[2])
+
+    def test_an_agent_asks_and_the_person_answers_by_pointing(self):
+        b = self.browser
+        b.open(self.url)
+        drop_pin(b, "document.getElementById('title')", "Make this bigger")
+        [pin] = self.ok("list")
+        self.context()
+        env = dict(self.env, PINBOX_SESSION="claude:k1")
+        asking = subprocess.Popen([sys.executable, SCRIPT, "ask", pin["id"], "Do you mean the heading or the intro?",
+                                   "--wait", "--timeout", "60", "--json"], cwd=self.repo, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.addCleanup(lambda: asking.poll() is None and asking.kill())
+        b.wait_for("!!(%s)" % toolbar_element('[data-pinbox="ask"]'), 15)
+        self.assertEqual(b.evaluate("(%s).textContent" % toolbar_element('[data-pinbox="ask"] strong')), "claude asks")
+        b.click_at(toolbar_element('[data-pinbox="answer-words"]'))
+        b.type_text("the intro, it is too small")
+        b.click_at(toolbar_element('[data-pinbox="point"]'))
+        b.click_at("document.getElementById('intro')")
+        clicked = time.time()
+        try:
+            out, err = asking.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("no answer; toasts %r; page said %r" % (b.evaluate(
+                "Array.from(document.getElementById('pinbox-toolbar-host').shadowRoot.querySelectorAll('.toast'))"
+                ".map(t => t.textContent).join(' | ')"), [e for e in b.events if e.get("method") in (
+                    "Runtime.exceptionThrown", "Runtime.consoleAPICalled")][-5:]))
+        answered = time.time()
+        self.assertEqual(asking.returncode, 0, out + err)
+        answer = json.loads(out)["data"]
+        print("\n  pinbox ask --wait returned %.2f s after the click" % (answered - clicked))
+        self.assertEqual((answer["text"], answer["target"]["selector"], answer["pinId"], answer["answers"]),
+                         ("the intro, it is too small", "#intro", pin["id"], answer["ask"]["id"]))
+        [picture] = answer["attachments"]
+        self.assertEqual(pinbox.picture_type(picture["path"]), "image/png")
+        thread = self.ok("show", pin["id"])["thread"]
+        self.assertEqual([(m["role"], m["text"]) for m in thread],
+                         [("agent", "Do you mean the heading or the intro?"), ("human", "the intro, it is too small")])
+        b.wait_for("!(%s)" % toolbar_element('[data-pinbox="ask"]'))  # answered: gone from the page
+        # The answer reaches the session as a reply on its pin, with the element.
+        self.assertIn("the intro, it is too small", self.context())
+
+    def test_an_mcp_client_no_one_here_wrote_asks_about_a_page(self):
+        python = os.environ.get("PINBOX_TEST_MCP_PYTHON")
+        if not python or not os.access(python, os.X_OK):
+            self.skipTest("no Python with the mcp SDK (set PINBOX_TEST_MCP_PYTHON; .ci/run installs PyPI mcp)")
+        self.context()
+        client = os.path.join(self.tmp, "ask_client.py")
+        with open(client, "w") as handle:
+            handle.write(ASK_CLIENT)
+        b = self.browser
+        b.open(self.url)
+        app_page = b.evaluate("document.querySelector('script[data-app]').getAttribute('data-app')") + "/shop"
+        proc = subprocess.Popen([python, client, sys.executable, SCRIPT, self.repo, app_page], cwd=self.repo,
+                                env=dict(self.env, PINBOX_SESSION="claude:k1"), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        self.addCleanup(lambda: proc.poll() is None and proc.kill())
+        self.assertEqual(proc.stdout.readline().strip(), b"READY")
+        b.wait_for("!!(%s)" % toolbar_element('[data-pinbox="ask"]'), 20)
+        b.click_at(toolbar_element('[data-pinbox="point"]'))
+        b.click_at("document.getElementById('pay')")
+        clicked = time.time()
+        out, err = proc.communicate(timeout=60)
+        self.assertEqual(proc.returncode, 0, err.decode()[-2000:])
+        got = json.loads(out.splitlines()[-1])
+        print("\n  pinbox_ask (MCP SDK) answered %.2f s after the click" % (got["answeredAt"] - clicked))
+        self.assertFalse(got["error"], got)
+        data = got["data"]
+        self.assertTrue(data["answered"])
+        self.assertEqual(data["message"]["target"]["selector"], "#pay")
+        self.assertIn('element <button> "Pay"', data["answer"])
+        self.assertEqual(got["images"], ["image"])  # the picture of what they pointed at
+        # A question about a page is answered on a note pin there, bound to the asker.
+        [note] = self.ok("list", "--kind", "note")
+        self.assertEqual((note["agentSession"]["key"], note["target"]["selector"]), ("k1", "#pay"))
 
 
 # ============================================================================
@@ -7256,7 +7584,7 @@ class TestMcpProtocol(unittest.TestCase):
             self.assertIn("Fixes: <pin id>", result["instructions"])
         self.assertIsNone(self.answer({"jsonrpc": "2.0", "method": "notifications/initialized"}))
         tools = {t["name"]: t for t in self.request("tools/list")["result"]["tools"]}
-        self.assertEqual(sorted(tools), ["inbox_ack", "inbox_post", "inbox_read", "list_pins", "reopen", "reply",
+        self.assertEqual(sorted(tools), ["inbox_ack", "inbox_post", "inbox_read", "list_pins", "pinbox_ask", "reopen", "reply",
                                          "resolve", "show_pin"])
         self.assertEqual(tools["show_pin"]["inputSchema"], {"type": "object", "properties": {"id": {"type": "string"}},
                                                             "required": ["id"], "additionalProperties": False})
@@ -7294,7 +7622,7 @@ class TestMcpProtocol(unittest.TestCase):
                          (["2026-07-28"], "complete", "private"))
         self.assertEqual(discover["_meta"]["io.modelcontextprotocol/serverInfo"]["name"], "pinbox")
         listed = self.request("tools/list", {"_meta": MODERN_META})["result"]  # no initialize needed
-        self.assertEqual((listed["ttlMs"], len(listed["tools"])), (0, 8))
+        self.assertEqual((listed["ttlMs"], len(listed["tools"])), (0, 9))
         self.assertIn("outputSchema", listed["tools"][0])
         old = dict(MODERN_META, **{"io.modelcontextprotocol/protocolVersion": "1999-01-01"})
         error = self.request("tools/list", {"_meta": old})["error"]
@@ -7563,11 +7891,11 @@ class TestMcpConformance(PinboxCase):
             self.assertEqual(proc.returncode, 0, err.decode()[-3000:])
             got = json.loads(out.splitlines()[-1])
             self.assertEqual(got["version"], version)
-            self.assertEqual(len(got["tools"]), 8)
+            self.assertEqual(len(got["tools"]), 9)
             self.assertIn("pinbox://pins/open", got["resources"])
             self.assertEqual(got["read"], self.pin_id)
-            self.assertEqual({name: error for name, (error, _) in got["calls"].items()},
-                             dict.fromkeys(got["tools"], False), got["calls"])
+            self.assertEqual({name: error for name, (error, _) in got["calls"].items()},  # (pinbox_ask: a person answers)
+                             dict.fromkeys(set(got["tools"]) - {"pinbox_ask"}, False), got["calls"])
             self.assertTrue(any("updated" in h.lower() for h in got["heard"]), got["heard"])
 
     def test_the_mcp_inspector_cli(self):
@@ -7581,7 +7909,7 @@ class TestMcpConformance(PinboxCase):
                                   env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
             self.assertEqual(done.returncode, 0, done.stderr.decode()[-2000:])
             return json.loads(done.stdout)
-        self.assertEqual(len(inspect("--method", "tools/list")["tools"]), 8)
+        self.assertEqual(len(inspect("--method", "tools/list")["tools"]), 9)
         self.assertIn("pinbox://pins/open", [r["uri"] for r in inspect("--method", "resources/list")["resources"]])
         self.assertEqual(inspect("--method", "resources/templates/list")["resourceTemplates"][0]["uriTemplate"],
                          "pinbox://pins/{id}")
