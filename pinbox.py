@@ -11210,9 +11210,11 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       const el = t.selector && document.querySelector(t.selector);
       if (el) return el;
     } catch (err) { /* a selector this page cannot parse */ }
-    if (t.tag && t.name) {
-      for (const el of Array.from(document.getElementsByTagName(t.tag))) if (nameOf(el) === t.name) return el;
-    }
+    const same = t.tag ? Array.from(document.getElementsByTagName(t.tag)) : [];
+    if (t.name) for (const el of same) if (nameOf(el) === t.name) return el;
+    // Where the dev build says it comes from: the same file and line (its text changed).
+    const line = (s) => s && s.file && s.line ? baseName(s.file) + ':' + s.line : '';
+    if (line(t.source)) for (const el of same) if (line(sourceOf(el)) === line(t.source)) return el;
     const at = t.spot && document.elementFromPoint(t.spot.x, t.spot.y);
     return at && t.tag && at.tagName.toLowerCase() === t.tag && !ui.host.contains(at) ? at : null;
   }
