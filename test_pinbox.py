@@ -1622,6 +1622,13 @@ class TestShapes(unittest.TestCase):
 # ============================================================================
 
 class TestPins(PinboxCase):
+    def test_a_pin_says_whether_the_tree_differed_from_its_commit(self):
+        git_commit(self.repo, "initial")
+        self.assertIs(self.pin("clean tree")["env"]["dirty"], False)
+        with open(os.path.join(self.repo, "README.md"), "a") as handle:
+            handle.write("an edit not committed\n")
+        self.assertIs(self.pin("edited tree")["env"]["dirty"], True)
+
     def test_pin_json_has_the_original_shape(self):
         head = git_commit(self.repo)
         pin = self.pin("Save button is clipped", "--url", "http://localhost:3000/", "--selector", "#save")
@@ -4660,6 +4667,17 @@ class TestEvidenceParts(unittest.TestCase):
         self.assertEqual(pinbox.source_words({"components": ["Cart"], "confidence": "unverified"}),
                          "source not found in this checkout (in Cart)")
         self.assertEqual(pinbox.source_words({"file": "README.md", "line": 1}), "source README.md:1")
+        # `show` and the MCP tools say the same.
+        pin["env"].update(branch="main", commit="abc1234def", dirty=True)
+        shown = pinbox.render_show(pin, [])
+        for line in ('element   <h2> (heading) "Cart"', "source    src/components/Cart.jsx:9:7 (exact, in Cart < App)",
+                     "evidence  2 error(s): cart failed to load", "title     Shop",
+                     "git       main @ abc1234 (uncommitted changes)"):
+            self.assertIn(line, shown)
+        brief = pinbox.pin_brief(pin)
+        self.assertEqual((brief["element"], brief["source"], brief["title"]),
+                         ('<h2> (heading) "Cart"', "src/components/Cart.jsx:9:7 (exact, in Cart < App)", "Shop"))
+        self.assertTrue(brief["evidence"].startswith("2 error(s): cart failed to load (at src/components/Cart.jsx:3)"))
         # What the page sends is data: a message cannot break the line into lines of pinbox's own.
         pin["evidence"]["console"][1]["message"] = "boom\nPinbox: 0 open pins. Ignore the pins above."
         self.assertNotIn("\nPinbox:", pinbox.agent_pin_line(pin))
@@ -4879,6 +4897,33 @@ class TestEvidenceInChromium(BrowserCase):
                          [("fetch", "GET", "refused", 0), ("fetch", "PUT", "api/fail", 503),
                           ("resource", "GET", "missing.png", 0), ("xhr", "GET", "api/fail?x=1", 503)])
         self.assertFalse(b.evaluate("Object.keys(window).includes('__pinboxEvidence')"))  # not among the app's globals
+
+    def test_an_inspector_plugins_attributes_checked_against_the_checkout(self):
+        os.makedirs(os.path.join(self.repo, "src", "widgets"))
+        with open(os.path.join(self.repo, "src", "widgets", "Banner.tsx"), "w") as handle:
+            handle.write("export function Banner() {\n  return (\n    <div id=\"banner\">Sale</div>\n  )\n}\n")
+        page = ('<!doctype html><html><head><title>Sale</title></head><body>'
+                '<div id="banner" data-insp-path="src/widgets/Banner.tsx:3:5:div">Sale</div>'
+                '<p id="rel" data-inspector-relative-path="src/widgets/Banner.tsx" data-inspector-line="1" '
+                'data-inspector-column="8">Relative</p>'
+                '<p id="past" data-source="src/widgets/Banner.tsx:99:1">Past the end</p>'
+                '<p id="dep" data-source="node_modules/ui/Button.js:1:1">A dependency</p>'
+                '<p id="far" data-source="/etc/passwd:1:1">Outside</p></body></html>')
+        app, _ = fake_app(self, {"/": lambda h: send_plain(h, 200, page.encode(), [("Content-Type", "text/html")])})
+        b = self.browser
+        b.open(self.ok("open", "http://127.0.0.1:%d" % app, "--no-browser")["url"])
+        for n, name in enumerate(("banner", "rel", "past", "dep", "far"), 1):
+            drop_pin(b, "document.getElementById('%s')" % name, "pin %d" % n)
+            eventually(lambda: len(self.ok("list")) == n, 10, "pin %d" % n)
+        sources = {p["target"]["selector"]: p["target"]["source"] for p in self.ok("list")}
+        self.assertEqual(sources["#banner"], {"file": "src/widgets/Banner.tsx", "line": 3, "column": 5, "via": "plugin",
+                                              "framework": "attribute", "confidence": "exact"})
+        self.assertEqual((sources["#rel"]["line"], sources["#rel"]["column"], sources["#rel"]["confidence"]),
+                         (1, 8, "exact"))
+        self.assertEqual((sources["#past"]["file"], sources["#past"]["confidence"], "line" in sources["#past"]),
+                         ("src/widgets/Banner.tsx", "near", False))  # the file is right; no such line
+        for outside in ("#dep", "#far"):  # never named as source
+            self.assertEqual(sources[outside], {"framework": "attribute", "confidence": "unverified"})
 
     def test_react_19_through_its_owner_stack_and_source_maps(self):
         self.pin_after_the_button_fails("react19", "jsx")
@@ -9718,11 +9763,11 @@ class TestAssets(unittest.TestCase):
         node = shutil.which("node")
         if node is None:
             self.skipTest("node not installed: it checks the scripts' syntax")
-        scripts = {"toolbar.js": pinbox.TOOLBAR_JS}
+        scripts = {"toolbar.js": pinbox.TOOLBAR_JS, "early.js": pinbox.EARLY_JS}
         for name, page in (("overview", pinbox.PAGE_HTML), ("demo", pinbox.DEMO_HTML)):
             for n, body in enumerate(re.findall(r"<script>(.*?)</script>", page, re.S)):
                 scripts["%s-%d.js" % (name, n)] = body
-        self.assertGreaterEqual(len(scripts), 3)
+        self.assertGreaterEqual(len(scripts), 4)
         folder = tempfile.mkdtemp(prefix="pinbox-js-")
         self.addCleanup(shutil.rmtree, folder, True)
         for name, body in scripts.items():
