@@ -2014,6 +2014,12 @@ def message_block(kind, payload, pin, home=""):
     else:
         head = "Pinbox: %s reply on pin %s — %s." % (payload.get("role", "human"), pin["id"], about)
         text = payload.get("text", "")
+        if isinstance(payload.get("target"), dict):  # an answer to a question: the element pointed at
+            target = payload["target"]
+            pointed = [w for w in (element_words(target), source_words(target.get("source"))) if w]
+            pointed += ["picture " + a["path"] for a in payload.get("attachments") or () if a.get("path")]
+            head += flat(" They pointed at: %s%s." % (flat(target.get("selector") or "?")[:200],
+                                                     "".join(" · " + w for w in pointed)))
     text = plain(text)
     if len(text) > QUOTE_LIMIT:
         text = text[:QUOTE_LIMIT] + "\n… (cut here; the whole message: `pinbox show %s`)" % pin["id"]

@@ -2095,6 +2095,15 @@ class TestNotesVerdictsNudges(HookCase):
         note = self.ok("pin", "The logo file is in assets/brand", "--kind", "note")
         self.ok("verify", pin["id"], "--outcome", "accepted")
         self.ok("reopen", pin["id"], "--note", "the logo is blurry again")  # work: this one wakes it
+        from unittest import mock
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        try:
+            with mock.patch.dict(os.environ, PATH=self.env["PATH"]):  # (as the hub that takes a nudge would)
+                pinbox.nudge_pin(store, pin["id"])  # and so does a nudge
+        finally:
+            store.close()
+        self.assertEqual(self.sql("SELECT d.adapter, d.status, d.due_at IS NULL FROM deliveries d JOIN events e ON "
+                                  "e.seq = d.event_seq WHERE e.type = 'pin.nudged'"), [("resume", "pending", 0)])
         rows = self.sql("SELECT d.adapter, d.status, d.due_at IS NULL, e.type FROM deliveries d JOIN events e "
                         "ON e.seq = d.event_seq WHERE e.type IN ('pin.created', 'pin.verified') AND d.pin_id IN (?, ?) "
                         "ORDER BY d.id", note["id"], pin["id"])
@@ -3493,8 +3502,11 @@ class TestTheLoopOnThePage(BrowserCase):
         self.assertEqual([(m["role"], m["text"]) for m in thread],
                          [("agent", "Do you mean the heading or the intro?"), ("human", "the intro, it is too small")])
         b.wait_for("!(%s)" % toolbar_element('[data-pinbox="ask"]'))  # answered: gone from the page
-        # The answer reaches the session as a reply on its pin, with the element.
-        self.assertIn("the intro, it is too small", self.context())
+        # The answer reaches the session as a reply on its pin, with the element and its picture.
+        told = self.context()
+        self.assertIn("the intro, it is too small", told)
+        self.assertIn('They pointed at: #intro · element <p> "Leather, handmade." · source none: no component rendered '
+                      'this element · picture %s.' % picture["path"], told)
 
     def test_an_mcp_client_no_one_here_wrote_asks_about_a_page(self):
         python = os.environ.get("PINBOX_TEST_MCP_PYTHON")
