@@ -3997,17 +3997,19 @@ def map_stack(stack, map_position, root):
     return re.sub(STACK_FRAME, frame, stack)
 
 
-def position_mapper(app_for):
-    """map_position for one pin: each module's map fetched and decoded once. `app_for(url)`
-    is (app, path) for a URL of an app this project opened, else None."""
-    maps = {}
+def position_mapper(app_for, budget=10.0):
+    """map_position for one pin: each module's map fetched and decoded once, at most 20
+    of them and none after `budget` seconds (a slow app never holds a pin for long).
+    `app_for(url)` is (app, path) for a URL of an app this project opened, else None."""
+    maps, started = {}, time.monotonic()
 
     def map_position(url, line, column):
         where = app_for(url)
         if where is None:
             return None
         if where not in maps:
-            maps[where] = source_map_of(*where) if len(maps) < 20 else None
+            fresh = len(maps) < 20 and time.monotonic() - started < budget
+            maps[where] = source_map_of(*where) if fresh else None
         found = maps[where].original(line, column) if maps[where] else None
         return found
     return map_position
@@ -4151,9 +4153,14 @@ def r_create_pin(hub, request):
         raise invalid("text: must not be empty")
     map_position = position_mapper(hub.app_for)
     if "target" in fields:
-        fields["target"] = hub.app_target(fields["target"])
-        if "source" in fields["target"]:
-            fields["target"]["source"] = locate_source(hub.root, fields["target"], map_position)
+        target = fields["target"] = hub.app_target(fields["target"])
+        # Every source a page names is checked against the checkout, the extra elements'
+        # too (the first 10; past them none is kept).
+        for n, each in enumerate([target] + target.get("targets", [])):
+            if "source" in each and n <= 10:
+                each["source"] = locate_source(hub.root, each, map_position)
+            elif "source" in each:
+                del each["source"]
     if "agentSession" in fields and not request.local:  # it would choose whom the hub wakes
         raise PinboxError("E_FORBIDDEN", "a page cannot bind a pin to an agent session",
                           "drop agentSession: the hub routes a page's pin to the session working here")

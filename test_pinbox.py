@@ -4936,6 +4936,13 @@ class TestEvidenceInChromium(BrowserCase):
                          ("src/widgets/Banner.tsx", "near", False))  # the file is right; no such line
         for outside in ("#dep", "#far"):  # never named as source
             self.assertEqual(sources[outside], {"framework": "attribute", "confidence": "unverified"})
+        # The other elements of a pin are checked too: a page cannot slip a file past the hub there.
+        extra = {"selector": "#x", "source": {"file": "/etc/passwd", "line": 1, "via": "plugin"}}
+        many = self.api("POST", "/pins", {"text": "several", "author": {"userId": "u"}, "target": {
+            "url": "http://127.0.0.1:%d/" % app, "selector": "#banner", "targets": [dict(extra)] * 12}}, 201)
+        kept = [t.get("source") for t in many["target"]["targets"]]
+        self.assertEqual(kept[:10], [{"confidence": "unverified"}] * 10)
+        self.assertEqual(kept[10:], [None, None])
 
     def test_react_19_through_its_owner_stack_and_source_maps(self):
         self.pin_after_the_button_fails("react19", "jsx")
