@@ -1167,9 +1167,11 @@ def nudge_pin(store, handle):
 def summary(store):
     with store.guard():
         counts = dict(store.conn.execute("SELECT status, COUNT(*) FROM pins GROUP BY status").fetchall())
+        notes = store.conn.execute("SELECT COUNT(*) FROM pins WHERE status = 'open' AND "
+                                   "json_extract(json, '$.intent') IS NOT NULL").fetchone()[0]
         last = store.conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0]
         live = count_live_sessions(store.conn)
-    return {"open": counts.get("open", 0), "resolved": counts.get("resolved", 0),
+    return {"open": counts.get("open", 0) - notes, "resolved": counts.get("resolved", 0),  # (a note is no work)
             "lastEventSeq": last, "sessions": live, "connectedToolbars": 0}
 
 
@@ -10251,7 +10253,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     for (const pin of state.pins.values()) {
       if (!onThisPage(pin)) continue;
       const resolved = pin.status === 'resolved';
-      if (!resolved) open++;
+      if (!resolved && pin.intent !== 'note') open++;  // the badge counts work; a note is none
       if (!Array.isArray((pin.target || {}).targets || [])) continue;  // a shape this toolbar cannot mark
       const label = 'Pin ' + (pin.n || '') + ' (' + (resolved ? 'resolved' : 'open') + '): ' + collapse(pin.text).slice(0, 80);
       targetsOf(pin).forEach((t, part) => {

@@ -2077,6 +2077,7 @@ class TestNotesVerdictsNudges(HookCase):
         self.assertEqual(self.stop("k1"), "")
         self.assertIn("staging server is slow", self.inject("k1"))
         self.assertEqual({p["id"] for p in self.ok("list", "--status", "open", "--kind", "task")}, {task["id"]})
+        self.assertEqual(self.ok("summary")["open"], 1)
         self.assertEqual({p["id"] for p in self.ok("list", "--kind", "note")}, {note["id"], mid["id"]})
         self.assertIn("expected task or note", self.fails("E_INVALID_INPUT", 2, "list", "--kind", "chore")["message"])
 
@@ -3464,6 +3465,8 @@ class TestTheLoopOnThePage(BrowserCase):
         [note] = eventually(lambda: self.ok("list", "--kind", "note"), 10, "the note")
         self.assertEqual((note["text"], note["target"]["selector"]), ("These shoes ship from Portugal", "#intro"))
         self.assertEqual([p["id"] for p in self.ok("list", "--status", "open", "--kind", "task")], [pin["id"]])
+        b.wait_for("%s.length === 2" % toolbar_element('[data-pinbox="marker"]').replace("querySelector(", "querySelectorAll("))
+        self.assertEqual(b.evaluate("(%s).textContent" % toolbar_element(".count")), "1")  # the badge counts work
 
     def test_an_agent_asks_and_the_person_answers_by_pointing(self):
         b = self.browser
