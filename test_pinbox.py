@@ -7185,8 +7185,9 @@ class TestPageProxy(HubCase):
         # A tab left open reloads: the new hub serves the app on its old port before anyone asks.
         status, _, page = self.fetch("GET", "/", port=first)
         self.assertEqual(status, 200)
-        self.assertTrue(page.startswith(b"<p>one</p>") and b"/toolbar.js" in page, page)
-        self.assertEqual(self.fetch("GET", "/", port=second)[2][:10], b"<p>two</p>")
+        early = b"<script>" + pinbox.EARLY_JS.encode() + b"</script>"
+        self.assertTrue(page.startswith(early + b"<p>one</p>") and b"/toolbar.js" in page, page[-300:])
+        self.assertEqual(self.fetch("GET", "/", port=second)[2][len(early):][:10], b"<p>two</p>")
         self.assertEqual(self.open_app(app), first)  # and `pinbox open` says the same address
         # A port something else took meanwhile: the app gets another, kept from then on.
         self.stop_hub(self.proc)
@@ -7197,7 +7198,7 @@ class TestPageProxy(HubCase):
         self.start_hub()
         moved = self.open_app(app)
         self.assertNotEqual(moved, first)
-        self.assertEqual(self.fetch("GET", "/", port=moved)[2][:10], b"<p>one</p>")
+        self.assertEqual(self.fetch("GET", "/", port=moved)[2][len(early):][:10], b"<p>one</p>")
         squatter.close()
         self.stop_hub(self.proc)
         self.start_hub()
@@ -8050,7 +8051,7 @@ class TestMcpConformance(PinboxCase):
                              "--project", self.repo)
             self.assertIn("Era: " + era, said)
             name = ["--connection", re.search(r"Connection `@([^`]+)`", said).group(1)]
-            self.assertEqual(len(json.loads(mcpdo_run("--format", "json", *name, "tools/list"))["tools"]), 8)
+            self.assertEqual(len(json.loads(mcpdo_run("--format", "json", *name, "tools/list"))["tools"]), 9)
 
             def call(tool, **arguments):
                 result = json.loads(mcpdo_run("--format", "json", *name, "tools/call", tool,
@@ -8060,7 +8061,9 @@ class TestMcpConformance(PinboxCase):
             for tool, arguments in (("list_pins", {}), ("show_pin", {"id": self.pin_id}),
                                     ("reply", {"id": self.pin_id, "text": "from mcpdo " + era}),
                                     ("resolve", {"id": self.pin_id}), ("reopen", {"id": self.pin_id, "note": era}),
-                                    ("inbox_post", {"to": "claude:k-conformance", "text": "note " + era})):
+                                    ("inbox_post", {"to": "claude:k-conformance", "text": "note " + era}),
+                                    ("pinbox_ask", {"question": "which one?", "page": "http://localhost:3000/",
+                                                    "timeout": 0.2})):  # (nobody answers: said so, at once)
                 call(tool, **arguments)
             mail = call("inbox_read")["messages"]
             self.assertEqual(call("inbox_ack", ids=[m["id"] for m in mail])["acked"], [m["id"] for m in mail])
@@ -8514,9 +8517,10 @@ class TestClaudeCode(AgentCase):
         seen = []
 
         def read_the_picture(body):
-            found = re.search(r"attached: (/[^ ,\"\\]+[.]png(?:, /[^ ,\"\\]+[.]png)*)", json.dumps(body))
+            # "attached: the page /….png, the element /….png" (each picture labelled).
+            found = re.search(r"attached: ([^·]*)", json.dumps(body))
             if found and not seen:
-                seen.append(found.group(1).split(", ")[which])
+                seen.append(re.findall(r"/[^ ,\"\\]+[.]png", found.group(1))[which])
                 return "Read", {"file_path": seen[0]}
             return None
         self.fake.tool_call = read_the_picture
