@@ -4698,6 +4698,162 @@ class TestEvidenceParts(unittest.TestCase):
         self.assertNotIn("\nPinbox:", pinbox.agent_pin_line(pin))
 
 
+class TestEvidenceEdges(unittest.TestCase):
+    """The edges a set of one-line mutants of the evidence code found no test standing on."""
+
+    def setUp(self):
+        self.root = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.root, True)
+        git(self.root, "init", "-q")
+        for name, text in (("src/components/Cart.jsx", "one\ntwo\n"), ("web/src/App.vue", "x\n"),
+                           ("src/Big.jsx", "".join("// line %d\n" % i for i in range(1, 2001))),
+                           ("src/Two.vue", "<template>\n  <div>\n    <button>A</button>\n    <button>B</button>\n"
+                                           "  </div>\n</template>\n")):
+            os.makedirs(os.path.dirname(os.path.join(self.root, name)), exist_ok=True)
+            with open(os.path.join(self.root, name), "w") as handle:
+                handle.write(text)
+
+    def test_secret_values_end_where_the_query_value_ends_and_the_size_limit_is_exact(self):
+        self.assertEqual(pinbox.hide_secrets("http://a/?token=abc#section"), "http://a/?token=[hidden]#section")
+        fits = {"console": [{"level": "warn", "message": "x" * (pinbox.EVIDENCE_LIMIT - 100)}]}
+        size = len(pinbox.dumps_compact(fits).encode())
+        fits["console"][0]["message"] += "x" * (pinbox.EVIDENCE_LIMIT - size)
+        self.assertEqual(len(pinbox.dumps_compact(fits).encode()), pinbox.EVIDENCE_LIMIT)
+        pinbox.check_evidence(fits)  # the limit itself is kept
+        fits["console"][0]["message"] += "x"
+        with self.assertRaises(pinbox.PinboxError):
+            pinbox.check_evidence(fits)  # one byte more is not
+        # The page's own copy of the rule hides the same names.
+        for name in ("token", "key", "secret", "passw", "auth", "session", "sig"):
+            self.assertIn(name, pinbox.EARLY_JS[pinbox.EARLY_JS.index("var SECRET"):][:200])
+
+    def test_a_map_naming_a_source_it_does_not_list_maps_nowhere(self):
+        raw = json.dumps({"version": 3, "sources": ["a.js"], "mappings": "ACAA"}).encode()
+        self.assertIsNone(pinbox.SourceMap(raw, "http://a/x.js").original(1, 1))
+
+    def test_only_a_whole_200_answer_of_the_app_is_read(self):
+        class Answers(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                body = b"moved" if self.path == "/moved" else b"a" * (
+                    pinbox.SOURCE_MAP_LIMIT + (1 if self.path == "/big" else 0))
+                self.send_response(302 if self.path == "/moved" else 200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+        app = "http://127.0.0.1:%d" % serve_in_thread(self, Answers).server_address[1]
+        self.assertIsNone(pinbox.fetch_from_app(app, "/moved"))
+        self.assertIsNone(pinbox.fetch_from_app(app, "/big"))
+        self.assertEqual(len(pinbox.fetch_from_app(app, "/limit")), pinbox.SOURCE_MAP_LIMIT)
+
+    def test_a_map_is_the_last_one_named_percent_encoded_or_not_and_never_another_sites(self):
+        import urllib.parse
+        smap = json.dumps({"version": 3, "sources": ["Cart.jsx"], "mappings": "AASI"})
+        served = {"/far.js": "code();\n//# sourceMappingURL=http://elsewhere.example/far.js.map",
+                  "/far.js.map": smap,
+                  "/pct.js": "code();\n//# sourceMappingURL=data:application/json," + urllib.parse.quote(smap),
+                  "/two.js": "s = '//# sourceMappingURL=nothing.map';\ncode();\n//# sourceMappingURL=/far.js.map"}
+        asked = []
+
+        def fetch(app, path):
+            asked.append(path)
+            return served.get(path)
+        self.assertIsNone(pinbox.source_map_of("http://app", "/far.js", fetch))
+        self.assertNotIn("/far.js.map", asked)  # a map on another site is never fetched, even by its path here
+        self.assertEqual(pinbox.source_map_of("http://app", "/pct.js", fetch).original(1, 1), ("http://app/Cart.jsx", 10, 5))
+        self.assertEqual(pinbox.source_map_of("http://app", "/two.js", fetch).original(1, 1), ("http://app/Cart.jsx", 10, 5))
+
+    def test_checkout_paths_at_the_edges(self):
+        self.assertIsNone(pinbox.checkout_path(self.root, "src/../src/components/Cart.jsx"))
+        deep = os.path.join(self.root, *["d%d" % i for i in range(14)])
+        os.makedirs(os.path.join(deep, "web", "src"))
+        with open(os.path.join(deep, "web", "src", "App.vue"), "w") as handle:
+            handle.write("x\n")
+        git(deep, "init", "-q")
+        real = os.path.realpath(deep)
+        self.assertEqual(pinbox.checkout_path(deep, "/@fs" + real + "/web/src/App.vue"), "web/src/App.vue")
+
+    def test_a_located_line_must_be_inside_the_file_and_sure_to_be_exact(self):
+        locate = lambda source, target=None: pinbox.locate_source(self.root, dict(target or {}, source=source),
+                                                                  lambda *a: None)
+        big = locate({"framework": "react", "file": "src/Big.jsx", "line": 1500})
+        self.assertEqual((big["line"], big["confidence"]), (1500, "exact"))  # far into a long file
+        past = locate({"framework": "react", "file": "src/components/Cart.jsx", "line": 99})
+        self.assertEqual((past["confidence"], "line" in past), ("near", False))
+        two = locate({"framework": "vue", "file": "src/Two.vue"}, {"tag": "button"})
+        self.assertEqual((two["line"], two["confidence"]), (3, "near"))  # two buttons: the first, not sure
+
+    def test_a_vue_template_at_its_edges(self):
+        find = pinbox.line_in_template
+        nested = ['<template>', '  <div>', '    <template v-if="a">', '      <p>x</p>', '    </template>',
+                  '    <h2>Title</h2>', '  </div>', '</template>']
+        self.assertEqual(find(nested, {"tag": "h2"}), (6, True))  # a template inside the template
+        tied = ['<template>', '  <button class="primary">A</button>', '  <button class="primary">B</button>',
+                '</template>']
+        self.assertEqual(find(tied, {"tag": "button", "context": {"classes": ["primary"]}}), (2, False))
+        self.assertEqual(find(['<template>', '  <button>Go</button>', '  <b>Bold</b>', '</template>'], {"tag": "b"}),
+                         (3, True))  # <b> is not <button>
+        buttons = ['<template>', '  <button class="ghost">', '    Cancel', '  </button>', '  <button id="buy">',
+                   '    Buy now', '  </button>', '</template>']
+        self.assertEqual(find(buttons, {"tag": "button", "selector": "#buy", "context": {"nearbyText": "Cancel"}}),
+                         (5, True))  # the id weighs more than nearby words
+
+    def test_a_stack_names_only_files_of_the_checkout(self):
+        mapped = {"x.js": ("http://app/src/components/Cart.jsx", 3, 13), "y.js": ("/home/me/secret/lib.js", 9, 9)}
+        stack = pinbox.map_stack("at buy (http://app/assets/x.js:1:5)\nat lib (http://app/assets/y.js:2:2)",
+                                 lambda url, line, column: mapped[url.rsplit("/", 1)[1]], self.root)
+        self.assertEqual(stack, "at buy (src/components/Cart.jsx:3:13)\nat lib (http://app/assets/y.js:2:2)")
+
+    def test_failures_the_page_saw_and_the_proxy_carried(self):
+        import types
+        request = lambda i, status=500, kind="fetch": {"method": "GET", "url": "http://app/r%03d" % i,
+                                                       "status": status, "kind": kind}
+
+        def evidence(page, carried):
+            hub = types.SimpleNamespace(root=self.root, directory=self.root, app_address=lambda url: url,
+                                        failures_on=lambda url: list(carried))
+            found = pinbox.page_evidence(hub, {"target": {"url": "http://app/p"}, "evidence": {"requests": page}},
+                                         lambda *a: None)
+            return [(r["url"][-4:], r["status"]) for r in found["requests"]]
+        self.assertEqual(evidence([request(1, 503)], [request(1, 502, "proxy")]), [("r001", 503)])  # the page's status
+        self.assertEqual(evidence([request(1, 0, "resource")], [request(1, 404, "proxy")]), [("r001", 404)])
+        newest = evidence([request(i) for i in range(15)], [request(100 + i, 404, "proxy") for i in range(10)])
+        self.assertEqual((len(newest), newest[-1]), (20, ("r109", 404)))  # the newest 20
+
+    def test_the_hub_fetches_only_from_apps_it_opened_and_keeps_failures_bounded(self):
+        store = pinbox.Store(os.path.join(self.root, ".pinbox"))
+        store.close()
+        hub = pinbox.Hub(self.root, os.path.join(self.root, ".pinbox"), "t" * 32)
+        self.assertIsNone(hub.app_for("http://169.254.169.254/latest/x.js"))
+        self.assertIsNone(hub.app_for("http://127.0.0.1:5173/src/x.js"))  # not opened here
+        for i in range(25):
+            hub.note_failure("http://app/p", {"method": "GET", "url": "http://app/%d" % i, "status": 500, "kind": "proxy"})
+        self.assertEqual([f["url"] for f in hub.failures_on("http://app/p")], ["http://app/%d" % i for i in range(5, 25)])
+        for i in range(101):
+            hub.note_failure("http://app/q%d" % i, {"method": "GET", "url": "u", "status": 500, "kind": "proxy"})
+        self.assertEqual((hub.failures_on("http://app/q0"), len(hub.failures_on("http://app/q100"))), ([], 1))
+        self.assertEqual(len(hub.failures_on("http://app/q1")), 1)  # the last 100 pages are kept
+
+    def test_the_words_an_agent_reads(self):
+        self.assertEqual(pinbox.element_words({"tag": "button", "role": "button", "name": "Buy"}), 'element <button> "Buy"')
+        four = {"console": [{"level": "error", "message": "e%d" % i} for i in range(4)],
+                "requests": [{"method": "GET", "url": "http://x/r%d" % i, "status": 500} for i in range(4)]}
+        self.assertEqual(pinbox.evidence_words(four), "evidence: 4 error(s), first 3: e0; e1; e2; 4 failed request(s), "
+                                                      "last 3: GET http://x/r1 → 500, GET http://x/r2 → 500, "
+                                                      "GET http://x/r3 → 500")
+        self.assertEqual(pinbox.first_frame("at a (node_modules/lib/a.js:1:1)\nat b (src/App.jsx:4:2)"), "src/App.jsx:4")
+        pin = {"id": "pin_a", "status": "open", "text": "t",
+               "target": {"tag": "h2", "role": "heading", "name": "Cart",
+                          "source": {"file": "src/Cart.jsx", "line": 9, "column": 7, "confidence": "exact"}},
+               "evidence": {"console": [{"level": "error", "message": "boom"}]}}
+        brief = pinbox.pin_brief(pin)
+        self.assertEqual({k: brief[k] for k in ("element", "source", "evidence")},
+                         {"element": '<h2> (heading) "Cart"', "source": "src/Cart.jsx:9:7 (exact)",
+                          "evidence": "1 error(s): boom"})
+
+
 # Apps the tests write, run by real Vite dev servers with each framework's own plugin
 # (.ci/run installs them under PINBOX_TEST_FRAMEWORKS: fw-react19, fw-react18, fw-vue,
 # fw-svelte). Each has a Cart component whose button logs an error, fetches an address
@@ -4793,10 +4949,12 @@ class TestEvidenceInChromium(BrowserCase):
         port = start_vite(self, vite, self.repo)
         return self.ok("open", "http://127.0.0.1:%d" % port, "--no-browser")["url"]
 
-    def pin_after_the_button_fails(self, name, ext):
+    def pin_after_the_button_fails(self, name, ext, warn=False):
         b = self.browser
         b.open(self.framework_app(name))
         b.wait_for("!!document.getElementById('buy')", 30)
+        if warn:
+            b.evaluate("console.warn('careful'), 1")
         b.click_at("document.getElementById('buy')")
         # (The product's barrier: the early hook's record holds the 500 and both errors.)
         b.wait_for("window.__pinboxEvidence.requests.some(r => r.status === 500) && "
@@ -4846,6 +5004,12 @@ class TestEvidenceInChromium(BrowserCase):
             [e for e in pin["evidence"]["console"] if e["level"] != "warn"])), summary)
         self.assertTrue(summary.endswith(", %d failed requests" % len(pin["evidence"]["requests"])), summary)
         self.assertFalse(b.evaluate("(%s).open" % toolbar_element('[data-pinbox="evidence"]')))  # folded
+        if warn:  # the thread: the chain, the warning counted, the mapped stacks inside the fold
+            self.assertIn(" exact " + chr(0xb7) + " " + " < ".join(source["components"]), b.evaluate(
+                "(%s).textContent" % toolbar_element('[data-pinbox="source"]')))
+            self.assertIn(", 1 warning,", summary)
+            self.assertIn(cart + ":", b.evaluate("Array.from((%s).querySelectorAll('pre')).map(p => p.textContent)"
+                                                 ".join(' ')" % toolbar_element('[data-pinbox="evidence"]')))
         b.click_at(toolbar_element('[data-pinbox="copy-source"]'))
         try:
             b.wait_for("navigator.clipboard.readText().then(t => t === %s)" % json.dumps(ref))
@@ -4947,6 +5111,45 @@ class TestEvidenceInChromium(BrowserCase):
         self.assertEqual(kept[:10], [{"confidence": "unverified"}] * 10)
         self.assertEqual(kept[10:], [None, None])
 
+    def test_the_pages_record_keeps_the_newest_20_and_a_flood_never_costs_the_pin(self):
+        page = ('<!doctype html><html><head><title>R</title></head><body><h1 id="t">R</h1>'
+                '<img src="/logo.png?sig=SIGSECRETzz"><script>'
+                'for (let i = 0; i < 25; i++) console.error("e" + i);'
+                'fetch("/missing");'
+                'const x = new XMLHttpRequest(); x.open("GET", "http://127.0.0.1:9/refused"); x.send();'
+                'setTimeout(() => { for (let i = 0; i < 20; i++) { const e = new Error("m" + i + "x".repeat(990));'
+                ' e.stack = "s".repeat(5000); console.error(e); } window.flooded = true; }, 0);'
+                '</script></body></html>')
+        app, _ = fake_app(self, {"/": lambda h: send_plain(h, 200, page.encode(), [("Content-Type", "text/html")])})
+        b = self.browser
+        b.open(self.ok("open", "http://127.0.0.1:%d" % app, "--no-browser")["url"])
+        b.wait_for("window.__pinboxEvidence.requests.length >= 3 && window.flooded === true", 10)
+        kept = b.evaluate("window.__pinboxEvidence")
+        self.assertEqual([e["message"].split("x")[0] for e in kept["console"]],
+                         ["Error: m%d" % i for i in range(20)])  # the newest 20: the flood, not the 25 before it
+        requests = {(r["kind"], r["url"].split("/", 3)[3], r["status"]) for r in kept["requests"]}
+        self.assertLessEqual({("fetch", "missing", 404), ("xhr", "refused", 0)}, requests)
+        self.assertNotIn("SIGSECRETzz", json.dumps(kept))
+        # 20 errors of 6 KB each: the toolbar sends the newest that fit the hub's 64 KiB.
+        drop_pin(b, "document.getElementById('t')", "after the flood")
+        [pin] = self.ok("list")
+        self.assertIn("m19", pin["evidence"]["console"][-1]["message"])
+        self.assertLess(len(pinbox.dumps_compact(pin["evidence"]).encode()), pinbox.EVIDENCE_LIMIT)
+
+    def test_an_elements_role_and_name_as_assistive_technology_says(self):
+        page = ('<!doctype html><html><head><title>W</title></head><body>'
+                '<span id="lab">Billing</span><div role="tab" id="tab" aria-labelledby="lab" style="padding:20px">Bill'
+                '</div><label for="e">Email</label><input id="e" title="mail" value="typed@secret" style="width:200px">'
+                '</body></html>')
+        app, _ = fake_app(self, {"/": lambda h: send_plain(h, 200, page.encode(), [("Content-Type", "text/html")])})
+        b = self.browser
+        b.open(self.ok("open", "http://127.0.0.1:%d" % app, "--no-browser")["url"])
+        for n, ident in enumerate(("tab", "e"), 1):
+            drop_pin(b, "document.getElementById('%s')" % ident, "pin " + ident)
+            eventually(lambda: len(self.ok("list")) == n, 10, "pin %d" % n)
+        named = {p["text"]: (p["target"].get("role"), p["target"].get("name")) for p in self.ok("list")}
+        self.assertEqual(named, {"pin tab": ("tab", "Billing"), "pin e": ("textbox", "Email")})  # never the value
+
     def test_react_19_through_its_owner_stack_and_source_maps(self):
         self.pin_after_the_button_fails("react19", "jsx")
 
@@ -4957,7 +5160,8 @@ class TestEvidenceInChromium(BrowserCase):
         self.pin_after_the_button_fails("vue", "vue")
 
     def test_svelte_5_through_its_recorded_location(self):
-        pin = self.pin_after_the_button_fails("svelte", "svelte")
+        pin = self.pin_after_the_button_fails("svelte", "svelte", warn=True)
+        self.assertEqual((pin["target"]["source"]["line"], pin["target"]["source"]["column"]), (10, 3))  # from 1
         # After a fix that renamed the heading, changed its words and moved it down the page,
         # the toolbar still finds it: by where the dev build says it comes from.
         cart = os.path.join(self.repo, "src", "components", "Cart.svelte")
@@ -6929,6 +7133,28 @@ class TestPageProxy(HubCase):
         data = answer.read()
         conn.close()
         return answer.status, {k.lower(): v for k, v in answer.getheaders()}, data
+
+    def test_failed_answers_are_noted_for_the_page_that_asked_400_included(self):
+        import urllib.error
+        import urllib.request
+        pages = {"/bad400": lambda h: send_plain(h, 400, b"no", [("Content-Type", "text/plain")]),
+                 "/bad500": lambda h: send_plain(h, 500, b"no", [("Content-Type", "text/plain")]),
+                 "/fine": lambda h: send_plain(h, 200, b"ok", [("Content-Type", "text/plain")])}
+        port, _ = fake_app(self, pages)
+        app = "http://127.0.0.1:%d" % port
+        proxy = self.ok("open", app, "--no-browser")["url"].rstrip("/")
+        for path, referer in (("/bad400", proxy + "/page?token=s3"), ("/bad500", None), ("/fine", proxy + "/page")):
+            request = urllib.request.Request(proxy + path, headers={"Referer": referer} if referer else {})
+            try:
+                urllib.request.urlopen(request, timeout=10).read()
+            except urllib.error.HTTPError:
+                pass
+        got = {}
+        for url in (app + "/page?token=s3", app):
+            pin = self.api("POST", "/pins", {"text": "x", "author": {"userId": "u"}, "target": {"url": url}}, 201)
+            got[url] = [(r["method"], r["url"], r["status"]) for r in (pin.get("evidence") or {}).get("requests") or ()]
+        # Only the page that asked (by its Referer), only a failure; a request with no Referer is no page's.
+        self.assertEqual(got, {app + "/page?token=s3": [("GET", app + "/bad400", 400)], app: []})
 
     def test_pages_get_the_toolbar_and_everything_else_passes_through(self):
         import gzip
