@@ -3436,6 +3436,12 @@ class TestTheLoopOnThePage(BrowserCase):
         self.assertIn("the element " + paths["element"], reopen)
         self.assertIn("after the fix " + paths["after"], reopen)
         self.assertNotIn("accepted your fix", self.context())  # once
+        # The overview page (its open pins: the reopened one) shows the element before and after.
+        b.open("http://127.0.0.1:%d/#token=%s" % (self.port, self.token))
+        b.wait_for("Array.from(document.querySelectorAll('figure.pair img')).filter(i => i.complete && "
+                   "i.naturalWidth > 0).length === 2", 15)
+        self.assertEqual(b.evaluate("Array.from(document.querySelectorAll('figure.pair figcaption'))"
+                                    ".map(c => c.textContent)"), ["before", "after"])
 
     def test_a_pin_nobody_answered_shows_no_response_yet_and_a_nudge_reaches_the_session_first(self):
         b = self.browser
