@@ -3345,6 +3345,33 @@ class TestAfterAFixOverHttp(HubCase):
         self.assertEqual(events.count("pin.after"), 2)
 
 
+class TestAsksOverHttp(HubCase):
+    def test_a_question_is_listed_until_answered_once(self):
+        pin = self.post_pin("Which one?", target={"url": "http://localhost:5173/shop", "selector": "h1"})
+        self.ok("session", "register", "--agent", "claude", "--key", "k1", "--cwd", self.repo)
+        ask = self.run_pinbox("ask", pin["id"], "Heading or intro?", env=dict(self.env, PINBOX_SESSION="claude:k1")).json
+        ask = ask["data"]
+        self.assertEqual((ask["page"], ask["agent"], ask["key"]), ("http://localhost:5173/shop", "claude", "k1"))
+        self.assertEqual([a["id"] for a in self.api("GET", "/asks")], [ask["id"]])
+        self.api_error("POST", "/asks/%s/answer" % ask["id"], {"text": "no element"})  # target: required
+        self.api_error("POST", "/asks/ask_0000000000/answer", {"target": {"selector": "p"}}, status=404,
+                       code="E_NOT_FOUND")
+        answer = self.api("POST", "/asks/%s/answer" % ask["id"], {"text": "the intro", "target": {
+            "url": "http://localhost:5173/shop?token=abc", "selector": "#intro", "tag": "p"}}, 201)
+        self.assertEqual((answer["pinId"], answer["answers"], answer["target"]["url"]),
+                         (pin["id"], ask["id"], "http://localhost:5173/shop?token=[hidden]"))
+        self.api_error("POST", "/asks/%s/answer" % ask["id"], {"target": {"selector": "h1"}}, status=409,
+                       code="E_CONFLICT")  # once
+        self.assertEqual(self.api("GET", "/asks"), [])
+        self.assertEqual([m["text"] for m in self.ok("show", pin["id"])["thread"]], ["Heading or intro?", "the intro"])
+        # Nobody on the page: --wait says so when its time is up (exit 2, E_TIMEOUT), and the question stays.
+        late = self.run_pinbox("ask", pin["id"], "Still there?", "--wait", "--timeout", "0.3")
+        self.assertEqual((late.code, late.json["error"]["code"]), (2, "E_TIMEOUT"))
+        self.assertEqual([a["question"] for a in self.api("GET", "/asks")], ["Still there?"])
+        self.assertEqual(self.fails("E_INVALID_INPUT", 2, "ask", pin["id"], "x", "--timeout", "0")["message"],
+                         "--timeout: seconds from 0 to 3600")
+
+
 class TestTheLoopOnThePage(BrowserCase):
     """The person on their page: the fix seen before and after, their verdict, an
     agent's question answered by pointing, a pin nobody answered nudged."""
