@@ -2133,6 +2133,20 @@ class TestNotesVerdictsNudges(HookCase):
         self.assertIn("--outcome is required", self.fails("E_INVALID_INPUT", 2, "verify", accepted["id"])["message"])
         self.assertEqual(self.fails("E_CONFLICT", 4, "verify", reopened["id"], "--outcome", "accepted")["code"], "E_CONFLICT")
 
+    def test_past_a_hooks_cap_of_pins_the_count_of_open_work_leaves_notes_out(self):
+        self.register("k1")
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        try:
+            for n in range(pinbox.HOOK_CAP + 1):
+                pinbox.create_pin(store, {"text": "task %d" % n})
+            for n in range(3):
+                pinbox.create_pin(store, {"text": "note %d" % n, "intent": "note"})
+        finally:
+            store.close()
+        context = self.inject("k1")
+        self.assertTrue(context.startswith("Pinbox: %d open pin(s)." % (pinbox.HOOK_CAP + 1)), context[:80])
+        self.assertIn("more open pin(s) not listed here", context)  # (the newest HOOK_CAP are listed)
+
     def test_a_nudge_puts_the_pin_first_in_the_next_context_and_in_the_ledger(self):
         self.register("k1")
         older = self.pin("Search box loses focus")
@@ -3560,6 +3574,7 @@ class TestTheLoopOnThePage(BrowserCase):
                                 stderr=subprocess.PIPE)
         self.addCleanup(lambda: proc.poll() is None and proc.kill())
         self.assertEqual(proc.stdout.readline().strip(), b"READY")
+        self.context("k2")  # another session, seen later: the answer still goes to the one that asked
         b.wait_for("!!(%s)" % toolbar_element('[data-pinbox="ask"]'), 20)
         b.click_at(toolbar_element('[data-pinbox="point"]'))
         b.click_at("document.getElementById('pay')")
