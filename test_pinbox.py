@@ -3395,6 +3395,7 @@ class TestTheLoopOnThePage(BrowserCase):
     def setUp(self):
         super().setUp()
         self.colours = {"buy": "#cc2222", "pay": "#2222cc"}
+        self.labels, self.offset = {"buy": "Buy", "pay": "Pay"}, 0
         pages = {"/shop": lambda h: send_plain(h, 200, self.shop_page().encode(), [("Content-Type", "text/html")])}
         app, _ = fake_app(self, pages)
         self.url = self.ok("open", "http://127.0.0.1:%d" % app, "--no-browser")["url"].rstrip("/") + "/shop"
@@ -3403,8 +3404,8 @@ class TestTheLoopOnThePage(BrowserCase):
         return ('<!doctype html><html><head><title>Shop</title></head><body style="margin:40px">'
                 '<h1 id="title">Shoes</h1><p id="intro">Leather, handmade.</p>' + "".join(
                     '<button id="%s" style="background:%s;color:#fff;border:0;padding:20px 40px;font-size:20px;'
-                    'margin:10px">%s</button>' % (name, colour, name.title()) for name, colour in self.colours.items())
-                + '</body></html>')
+                    'margin:%dpx 10px 10px">%s</button>' % (name, colour, 10 + self.offset, self.labels[name])
+                    for name, colour in self.colours.items()) + '</body></html>')
 
     def context(self, key="k1"):
         out = self.run_pinbox("session", "inject", "--hook", "--agent", "claude",
@@ -3426,6 +3427,8 @@ class TestTheLoopOnThePage(BrowserCase):
         self.context()
         # The fix: the page changes, and a commit says which pins it fixes.
         self.colours.update(buy="#116611", pay="#116611")
+        self.labels.update(buy="Buy", pay="Pay now")  # the Pay button says more,
+        self.offset = 150  # and both moved down: Pay is found again by its selector alone
         with open(os.path.join(self.repo, "shop.css"), "w") as handle:
             handle.write("button { background: #116611 }\n")
         git(self.repo, "add", "shop.css")
@@ -3442,7 +3445,8 @@ class TestTheLoopOnThePage(BrowserCase):
                 w1, h1, was = read_png(handle.read())
             with open(after["path"], "rb") as handle:
                 w2, h2, now = read_png(handle.read())
-            self.assertEqual((w1, h1), (w2, h2))  # the same element, at the same viewport
+            if pin["id"] == buy["id"]:
+                self.assertEqual((w1, h1), (w2, h2))  # the same element, at the same viewport
             # Where the button was red or blue it is green now.
             self.assertNotEqual(was[h1 // 4][w1 // 8][:3], now[h2 // 4][w2 // 8][:3])
             self.assertGreater(now[h2 // 4][w2 // 8][1], now[h2 // 4][w2 // 8][0])
