@@ -2880,9 +2880,10 @@ def ask_person(store, question, session=None, pin=None, page=None):
         raise invalid("the question must not be empty", 'quote it: pinbox ask 3 "which button do you mean?"')
     with store.write() as conn:
         about = _read_pin(conn, pin) if pin is not None else None
-        page = check_url(page, "--page") if page else ((about or {}).get("target") or {}).get("url")
+        page = check_url(page, "--page") if page is not None else ((about or {}).get("target") or {}).get("url")
         if not page:
-            raise invalid("%s has no page to ask on" % about["id"], "name the page: pinbox ask --page <url> <question>")
+            raise invalid("%s has no page to ask on" % (about["id"] if about else "the question"),
+                          "name the page: pinbox ask --page <url> <question>")
         ask = ordered({"id": new_id("ask"), "pinId": about and about["id"], "page": page, "question": question,
                        "agent": (session or {}).get("agent"), "key": (session or {}).get("key"),
                        "session": (session or {}).get("id"), "askedAt": iso_time()}, ASK_KEYS)
@@ -8116,7 +8117,7 @@ def cmd_ask(ctx):
     if not 0 < timeout <= 3600:
         raise invalid("--timeout: seconds from 0 to 3600", usage_hint("ask"))
     session = me_or_none(ctx, ctx.reader)
-    page = app_address(ctx.root, args.page) if args.page else None
+    page = app_address(ctx.root, args.page) if args.page is not None else None
     ask = ask_person(ctx.store, read_text_arg(args.question, "question"), session, pin=args.pin, page=page)
     if not args.wait:
         return ctx.out.result(ask, ask["id"], "asked on %s: the answer comes as a thread message" % ask["page"])

@@ -3384,6 +3384,8 @@ class TestAsksOverHttp(HubCase):
         self.assertEqual([a["question"] for a in self.api("GET", "/asks")], ["Still there?"])
         self.assertEqual(self.fails("E_INVALID_INPUT", 2, "ask", pin["id"], "x", "--timeout", "0")["message"],
                          "--timeout: seconds from 0 to 3600")
+        for page in ("", "javascript:alert(1)"):  # (an empty page was an E_INTERNAL the command-line fuzz found)
+            self.assertIn("invalid --page", self.fails("E_INVALID_INPUT", 2, "ask", "which?", "--page", page)["message"])
 
 
 class TestTheLoopOnThePage(BrowserCase):
