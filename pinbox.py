@@ -158,6 +158,31 @@ def git_author(cwd):
     return author
 
 
+def write_err(text):
+    """A line for the person on stderr, at once (hooks, the hub and sync say why here)."""
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed hub nobody reaped yet is a zombie: gone, though kill() still finds it
+        with open("/proc/%d/stat" % pid) as handle:
+            return handle.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def self_path():
+    """This copy of pinbox: what hooks, the hub and installers run again."""
+    return os.path.abspath(__file__)
+
+
 def command_output(argv, cwd=None):
     """stdout of a short command, or None when it is missing or fails."""
     import subprocess
@@ -816,6 +841,20 @@ MESSAGE_INPUT = {"role": (("enum", ROLES), True), "text": ("text", True), "origi
 STRING_LIMIT = 8192  # any one string a page sends, text aside (64 KiB)
 
 
+AGENTS = ("claude", "codex", "hermes", "openclaw", "gemini")
+PULL_AGENTS = ("claude", "codex", "hermes", "gemini")  # agents whose own hooks pull their pins
+
+
+def check_session_ref(agent, key):
+    if agent not in AGENTS:
+        raise invalid('unknown agent: "%s"' % agent, "pass --agent <%s>" % "|".join(AGENTS))
+    if not isinstance(key, str) or not key.strip() or len(key) > 512:
+        raise invalid("a session key must be a non-empty string of at most 512 characters",
+                      "pass --key <key>, or pipe the agent's hook payload JSON on stdin")
+    if key.startswith("-"):  # it is passed to `claude --resume <key>`: it must never read as an option
+        raise invalid("a session key must not start with '-'", "agents' session ids never do; check --key")
+
+
 def validate(value, spec, path=""):
     where = path or "body"
     if isinstance(spec, dict):
@@ -1164,17 +1203,6 @@ def nudge_pin(store, handle):
     return pin
 
 
-def summary(store):
-    with store.guard():
-        counts = dict(store.conn.execute("SELECT status, COUNT(*) FROM pins GROUP BY status").fetchall())
-        notes = store.conn.execute("SELECT COUNT(*) FROM pins WHERE status = 'open' AND "
-                                   "json_extract(json, '$.intent') IS NOT NULL").fetchone()[0]
-        last = store.conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0]
-        live = count_live_sessions(store.conn)
-    return {"open": counts.get("open", 0) - notes, "resolved": counts.get("resolved", 0),  # (a note is no work)
-            "lastEventSeq": last, "sessions": live, "connectedToolbars": 0}
-
-
 # --- How a pin is named in one line ------------------------------------------
 
 def source_ref(source):
@@ -1293,8 +1321,6 @@ def markdown_pins(pins, detail):
 # Sessions
 # ============================================================================
 
-AGENTS = ("claude", "codex", "hermes", "openclaw", "gemini")
-PULL_AGENTS = ("claude", "codex", "hermes", "gemini")  # agents whose own hooks pull their pins
 SESSION_STALE_S = 24 * 3600  # a session unseen this long counts as ended
 SESSION_KEYS = ("id", "agent", "key", "cwd", "registeredAt", "lastSeenAt", "endedAt")
 _SESSION_COLUMNS = "id, agent, key, cwd, registered_at, last_seen_at, ended_at"
@@ -1343,16 +1369,6 @@ def active_session(conn):
     return _session(conn.execute(
         "SELECT %s FROM sessions WHERE ended_at IS NULL AND last_seen_at >= ? "
         "ORDER BY last_seen_at DESC, rowid DESC LIMIT 1" % _SESSION_COLUMNS, (stale_cutoff(),)).fetchone())
-
-
-def check_session_ref(agent, key):
-    if agent not in AGENTS:
-        raise invalid('unknown agent: "%s"' % agent, "pass --agent <%s>" % "|".join(AGENTS))
-    if not isinstance(key, str) or not key.strip() or len(key) > 512:
-        raise invalid("a session key must be a non-empty string of at most 512 characters",
-                      "pass --key <key>, or pipe the agent's hook payload JSON on stdin")
-    if key.startswith("-"):  # it is passed to `claude --resume <key>`: it must never read as an option
-        raise invalid("a session key must not start with '-'", "agents' session ids never do; check --key")
 
 
 def seen_now(conn):
@@ -1435,6 +1451,17 @@ def calling_session(conn, explicit=None):
     return None
 
 
+def summary(store):
+    with store.guard():
+        counts = dict(store.conn.execute("SELECT status, COUNT(*) FROM pins GROUP BY status").fetchall())
+        notes = store.conn.execute("SELECT COUNT(*) FROM pins WHERE status = 'open' AND "
+                                   "json_extract(json, '$.intent') IS NOT NULL").fetchone()[0]
+        last = store.conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0]
+        live = count_live_sessions(store.conn)
+    return {"open": counts.get("open", 0) - notes, "resolved": counts.get("resolved", 0),  # (a note is no work)
+            "lastEventSeq": last, "sessions": live, "connectedToolbars": 0}
+
+
 # ============================================================================
 # Routing and the delivery ledger
 # ============================================================================
@@ -1501,6 +1528,12 @@ def route_event(conn, seq, kind, payload):
         insert_delivery(conn, seq, pin_id, session["id"], "hooks", "pending")  # (no due time: never pushed)
     else:
         insert_delivery(conn, seq, pin_id, session["id"], *first_adapter(session))
+
+
+def is_remote(ref):
+    """Whether a pin's binding names a session on another machine: only an imported
+    binding carries the device it was made on."""
+    return bool(isinstance(ref, dict) and ref.get("device"))
 
 
 REMOTE = {"id": None}  # target_session's answer for a pin owned by another machine's session
@@ -2985,12 +3018,6 @@ def set_sync_settings(conn, **values):
                      "value = excluded.value", [(k, str(v)) for k, v in values.items()])
 
 
-def is_remote(ref):
-    """Whether a pin's binding names a session on another machine: only an imported
-    binding carries the device it was made on."""
-    return bool(isinstance(ref, dict) and ref.get("device"))
-
-
 def outgoing(conn, kind, payload):
     """What of a local event travels: not this machine's pin number nor the paths of
     its files; a resolution or a verdict as just itself (the pin is folded again there)."""
@@ -3843,6 +3870,32 @@ class SourceMap:
         return self.sources[found[1]], found[2] + 1, found[3] + 1
 
 
+def parse_upstream(raw):
+    """(scheme, host, port) of the app `pinbox open` is given: `http://localhost:5173`,
+    `localhost:5173` or `:3000` (this machine). http(s) only, a host, no credentials."""
+    from urllib.parse import urlsplit
+    text = (raw or "").strip()
+    if text.startswith(":"):
+        text = "localhost" + text
+    if "://" not in text:
+        text = "http://" + text
+    try:
+        split = urlsplit(text)
+        port = split.port
+    except ValueError:
+        split = port = None
+    if split is None or split.scheme not in ("http", "https") or not split.hostname or split.username:
+        raise invalid("%r is not the address of a web app" % raw,
+                      "give its URL, e.g. `pinbox open http://localhost:5173` (or just :5173)")
+    return split.scheme, split.hostname, port or (443 if split.scheme == "https" else 80)
+
+
+def origin_of(scheme, host, port):
+    default = {"http": 80, "https": 443}[scheme]
+    host = "[%s]" % host if ":" in host else host
+    return "%s://%s" % (scheme, host) + ("" if port == default else ":%d" % port)
+
+
 def fetch_from_app(app, path):
     """The text a GET of `path` gets from the app (scheme://host:port the person opened
     with `pinbox open`), or None: no answer, not a 200, or over SOURCE_MAP_LIMIT."""
@@ -4496,6 +4549,10 @@ ROUTES = (
     ("GET", ("progress",), r_progress), ("POST", ("proxies",), r_open_proxy), ("GET", ("demo",), r_demo),
     ("GET", ("toolbar.js",), r_toolbar), ("GET", ("early.js",), r_early), ("GET", (), r_page),
 )
+# What only this machine's processes may ask (the local token): what registers or ends a
+# session, speaks as one, or makes the hub fetch another site; a page's token gets 403.
+LOCAL_ROUTES = (r_register, r_end_session, r_inject, r_pending, r_inbox_post, r_inbox_read, r_inbox_ack,
+                r_inbox_summary, r_open_proxy)
 
 
 # ============================================================================
@@ -4503,10 +4560,6 @@ ROUTES = (
 # ============================================================================
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
-# What only this machine's processes may ask (the local token): what registers or ends a
-# session, speaks as one, or makes the hub fetch another site; a page's token gets 403.
-LOCAL_ROUTES = (r_register, r_end_session, r_inject, r_pending, r_inbox_post, r_inbox_read, r_inbox_ack,
-                r_inbox_summary, r_open_proxy)
 # The demo page holds no secret: it reads the token from its own URL's fragment.
 PUBLIC_ROUTES = (("GET", "/health"), ("GET", "/toolbar.js"), ("GET", "/early.js"), ("GET", "/"), ("GET", "/demo"))
 TOKEN_IN_QUERY = ("/stream", "/ws")  # EventSource and WebSocket cannot send headers
@@ -5477,32 +5530,6 @@ HOP_HEADERS = ("connection", "keep-alive", "proxy-connection", "proxy-authentica
 HTML_TYPES = ("text/html", "application/xhtml+xml")
 
 
-def parse_upstream(raw):
-    """(scheme, host, port) of the app `pinbox open` is given: `http://localhost:5173`,
-    `localhost:5173` or `:3000` (this machine). http(s) only, a host, no credentials."""
-    from urllib.parse import urlsplit
-    text = (raw or "").strip()
-    if text.startswith(":"):
-        text = "localhost" + text
-    if "://" not in text:
-        text = "http://" + text
-    try:
-        split = urlsplit(text)
-        port = split.port
-    except ValueError:
-        split = port = None
-    if split is None or split.scheme not in ("http", "https") or not split.hostname or split.username:
-        raise invalid("%r is not the address of a web app" % raw,
-                      "give its URL, e.g. `pinbox open http://localhost:5173` (or just :5173)")
-    return split.scheme, split.hostname, port or (443 if split.scheme == "https" else 80)
-
-
-def origin_of(scheme, host, port):
-    default = {"http": 80, "https": 443}[scheme]
-    host = "[%s]" % host if ":" in host else host
-    return "%s://%s" % (scheme, host) + ("" if port == default else ":%d" % port)
-
-
 def amend_csp(policy, origin):
     """A Content-Security-Policy with `origin` allowed for scripts and for connections
     (fetch, EventSource), and nothing else loosened; with the nonce our script tag needs
@@ -6037,20 +6064,6 @@ def read_hub_json(path):
     except (OSError, ValueError, AttributeError):
         pass
     return None
-
-
-def pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed hub nobody reaped yet is a zombie: gone, though kill() still finds it
-        with open("/proc/%d/stat" % pid) as handle:
-            return handle.read().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def running_hub(root):
@@ -6733,10 +6746,6 @@ _BOOT_IMPORT = "import sys,os;os.path.exists(%s) or %s;sys.path.append(%s);__imp
 _BOOT_LOADER = ("import sys,os;os.path.exists(%s) or %s;from importlib.machinery import SourceFileLoader as L;"
                 'l=L("pinbox",%s);m=type(sys)("pinbox");m.__file__=l.path;sys.modules["pinbox"]=m;l.exec_module(m);'
                 "m.main()")
-
-
-def self_path():
-    return os.path.abspath(__file__)
 
 
 def pinbox_argv(args, gone="sys.exit(0)"):
@@ -7540,11 +7549,6 @@ class Output:
 def write_out(text):
     sys.stdout.write(text)
     sys.stdout.flush()
-
-
-def write_err(text):
-    sys.stderr.write(text)
-    sys.stderr.flush()
 
 
 def pad_columns(rows):
