@@ -827,7 +827,7 @@ REQUEST_ENTRY = {"method": ("string", True), "url": ("string", True), "status": 
 EVIDENCE = {"console": (("list", CONSOLE_ENTRY), False), "requests": (("list", REQUEST_ENTRY), False)}
 EVIDENCE_LIMIT = 64 * 1024
 PIN_INPUT = {"text": ("text", True), "kind": (("enum", ("note", "move")), False),
-             "intent": (("enum", ("task", "note")), False), "target": (TARGET, False),
+             "intent": (("enum", PIN_INTENTS), False), "target": (TARGET, False),
              "move": ({"from": (RECT, True), "to": (RECT, True)}, False), "env": (ENV, False),
              "evidence": (EVIDENCE, False),
              "author": (AUTHOR, True), "agentSession": (SESSION_REF, False),
@@ -2007,6 +2007,22 @@ def evidence_words(evidence, home=""):
     return "evidence: " + "; ".join(parts) if parts else ""
 
 
+FACT_LABELS = {"element": "element ", "source": "source ", "evidence": "evidence: "}
+
+
+def fact_lines(target, evidence=None, home=""):
+    """What a pin says of its element, where it comes from and what went wrong, each
+    as an agent reads it ("element <h2> …", "source src/Cart.jsx:9:7 …", "evidence: …")."""
+    lines = (element_words(target), source_words(target.get("source")), evidence_words(evidence, home))
+    return [line for line in lines if line]
+
+
+def pin_facts(target, evidence=None):
+    """The same as (label, words) pairs, for `show` and the MCP tools."""
+    return [next((label, line[len(start):]) for label, start in FACT_LABELS.items() if line.startswith(start))
+            for line in fact_lines(target, evidence)]
+
+
 def first_frame(stack):
     """The first `file:line` of a stack that names a file of the checkout (a mapped
     frame), not an address or a dependency. (No regular expression: this runs in the
@@ -2022,9 +2038,8 @@ def first_frame(stack):
 def agent_pin_line(pin, home="", limit=600):
     line = flat(compact_line(pin))  # the selector and URL come from the page too
     line = line if len(line) <= limit else line[:limit - 1] + "…"
-    target = pin.get("target") or {}
-    details = [element_words(target), source_words(target.get("source")), evidence_words(pin.get("evidence"), home)]
-    return line + page_and_files(pin, home) + flat("".join(" · " + d for d in details if d))[:1200]
+    details = fact_lines(pin.get("target") or {}, pin.get("evidence"), home)
+    return line + page_and_files(pin, home) + flat("".join(" · " + d for d in details))[:1200]
 
 
 def message_block(kind, payload, pin, home=""):
@@ -2051,7 +2066,7 @@ def message_block(kind, payload, pin, home=""):
         text = payload.get("text", "")
         if isinstance(payload.get("target"), dict):  # an answer to a question: the element pointed at
             target = payload["target"]
-            pointed = [w for w in (element_words(target), source_words(target.get("source"))) if w]
+            pointed = fact_lines(target)
             pointed += ["picture " + a["path"] for a in payload.get("attachments") or () if a.get("path")]
             head += flat(" They pointed at: %s%s." % (flat(target.get("selector") or "?")[:200],
                                                      "".join(" · " + w for w in pointed)))
@@ -2983,7 +2998,7 @@ def answer_words(message):
     """An answer as an agent reads it: the words, the element, its source, the picture."""
     target = message.get("target") or {}
     parts = ["The person answered: " + flat(message.get("text", ""))[:2000]]
-    parts += [w for w in (element_words(target), source_words(target.get("source"))) if w]
+    parts += fact_lines(target)
     if target.get("selector"):
         parts.append("selector " + flat(target["selector"])[:300])
     parts += ["picture: " + a["path"] for a in message.get("attachments") or () if a.get("path")]
@@ -3926,7 +3941,7 @@ def source_map_of(app, path, fetch=fetch_from_app):
     at = code.rfind("sourceMappingURL=") if code else -1
     if at < 0:
         return None
-    named = code[at + len("sourceMappingURL="):].split(None, 1)[0] if code[at + 17:].strip() else ""
+    named = (code[at + len("sourceMappingURL="):].split(None, 1) or [""])[0]
     try:
         if named.startswith("data:"):
             head, _, data = named.partition(",")
@@ -4066,8 +4081,7 @@ def position_mapper(app_for, budget=10.0):
         if where not in maps:
             fresh = len(maps) < 20 and time.monotonic() - started < budget
             maps[where] = source_map_of(*where) if fresh else None
-        found = maps[where].original(line, column) if maps[where] else None
-        return found
+        return maps[where].original(line, column) if maps[where] else None
     return map_position
 
 
@@ -4209,14 +4223,7 @@ def r_create_pin(hub, request):
         raise invalid("text: must not be empty")
     map_position = position_mapper(hub.app_for)
     if "target" in fields:
-        target = fields["target"] = hub.app_target(fields["target"])
-        # Every source a page names is checked against the checkout, the extra elements'
-        # too (the first 10; past them none is kept).
-        for n, each in enumerate([target] + target.get("targets", [])):
-            if "source" in each and n <= 10:
-                each["source"] = locate_source(hub.root, each, map_position)
-            elif "source" in each:
-                del each["source"]
+        fields["target"] = page_target(hub, fields["target"], map_position)
     if "agentSession" in fields and not request.local:  # it would choose whom the hub wakes
         raise PinboxError("E_FORBIDDEN", "a page cannot bind a pin to an agent session",
                           "drop agentSession: the hub routes a page's pin to the session working here")
@@ -4232,6 +4239,21 @@ def r_create_pin(hub, request):
         pin = create_pin(store, fields)
     hub.changed()
     return Response(201, pin)
+
+
+def page_target(hub, target, map_position):
+    """What a page says it points at, as kept: named by the app's address with secret
+    values hidden, and every source it names checked against the checkout, the extra
+    elements' too (the first 10; past them none is kept)."""
+    target = hub.app_target(target)
+    if isinstance(target.get("url"), str):
+        target = dict(target, url=hide_secrets(target["url"]))
+    for n, each in enumerate([target] + target.get("targets", [])):
+        if "source" in each and n <= 10:
+            each["source"] = locate_source(hub.root, each, map_position)
+        elif "source" in each:
+            del each["source"]
+    return target
 
 
 def page_evidence(hub, fields, map_position):
@@ -4320,10 +4342,7 @@ def r_asks(hub, request):
 def r_answer(hub, request, ask_id):
     """POST /asks/:id/answer: the element the person pointed at, in answer."""
     answer = validate(request.json(), ANSWER_INPUT)
-    target = hub.app_target(answer["target"])
-    if "source" in target:
-        target["source"] = locate_source(hub.root, target, position_mapper(hub.app_for))
-    answer["target"] = dict(target, url=hide_secrets(target["url"])) if target.get("url") else target
+    answer["target"] = page_target(hub, answer["target"], position_mapper(hub.app_for))
     if answer.get("attachments"):
         answer["attachments"] = own_attachments(hub, answer["attachments"])
     with hub.store() as store:
@@ -5918,7 +5937,7 @@ class ProxyHandler(ReadsWithDeadline):
             self.close_connection = True
 
     def send_page(self, answer, headers, page):
-        hub, csp_nonce, kept = self.server.hub, None, []
+        hub, csp_nonce, kept, policed = self.server.hub, None, [], False
         hub_origin = "http://127.0.0.1:%d" % hub.port
         for name, value in headers:
             lower = name.lower()
@@ -5926,9 +5945,8 @@ class ProxyHandler(ReadsWithDeadline):
                 continue
             if lower in ("content-security-policy", "content-security-policy-report-only"):
                 value, nonce = amend_csp(value, hub_origin)
-                csp_nonce = csp_nonce or nonce
+                csp_nonce, policed = csp_nonce or nonce, True
             kept.append((name, value))
-        policed = any(n.lower() in ("content-security-policy", "content-security-policy-report-only") for n, _ in headers)
         page = inject_toolbar(page, hub_origin, hub.token, csp_nonce, self.server.upstream_origin, policed)
         self.send_whole(answer, kept + [("Content-Length", str(len(page)))], page)
 
@@ -6244,12 +6262,12 @@ def pin_brief(pin):
     target = pin.get("target") or {}
     paths = [a["path"] for a in pin.get("attachments") or () if isinstance(a, dict) and a.get("path")]
     pictures = [p for p in paths if picture_type(p)]
-    said = {"element": element_words(target), "source": source_words(target.get("source")),
-            "evidence": evidence_words(pin.get("evidence"))}
+    said = dict.fromkeys(FACT_LABELS)
+    said.update(pin_facts(target, pin.get("evidence")))
     return ordered({"id": pin["id"], "n": pin.get("n"), "status": pin.get("status"), "text": pin.get("text"),
                     "where": pin_locus(pin), "others": [t.get("selector") for t in target.get("targets") or ()] or None,
                     "page": target.get("url"), "title": (pin.get("env") or {}).get("title"),
-                    **{k: v.split(" ", 1)[1] if v else None for k, v in said.items()},
+                    **said,
                     "screenshots": pictures or None,
                     "files": [p for p in paths if p not in pictures] or None,
                     "agentSession": pin.get("agentSession"), "createdAt": pin.get("createdAt")},
@@ -8001,10 +8019,7 @@ def render_show(pin, thread, now=None):
     facts = []
     if target.get("selector"):
         facts.append(("target", target["selector"] + ("  <%s>" % target["tag"] if target.get("tag") else "")))
-    for key, words in (("element", element_words(target)), ("source", source_words(target.get("source"))),
-                       ("evidence", evidence_words(pin.get("evidence")))):
-        if words:
-            facts.append((key, words.split(" ", 1)[1]))
+    facts += pin_facts(target, pin.get("evidence"))
     if target.get("url"):
         facts.append(("url", target["url"]))
     if (pin.get("env") or {}).get("title"):
@@ -9021,7 +9036,7 @@ EARLY_JS = r"""/* pinbox early hook: what the page saw go wrong, kept for a pin.
   'use strict';
   if (window.__pinboxEvidence) return;
   var KEEP = 20;
-  var SECRET = /([?&#;][^=&#\s"'<>()]*(?:token|key|secret|passw|auth|session|sig)[^=&#\s"'<>()]*=)[^&#;\s"'<>()]*/gi;
+  var SECRET = new RegExp(@SECRET_PARAM@, 'gi');  // (the hub's own rule: SECRET_PARAM)
   var logged = [], failed = [];
   Object.defineProperty(window, '__pinboxEvidence', { value: { console: logged, requests: failed } });
   function cut(text, most) {
@@ -9102,7 +9117,7 @@ EARLY_JS = r"""/* pinbox early hook: what the page saw go wrong, kept for a pin.
     };
   }
 })();
-"""
+""".replace("@SECRET_PARAM@", dumps_compact(SECRET_PARAM[len("(?i)"):]))
 
 TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
    Served by the pinbox hub as GET /toolbar.js and loaded by one tag:
@@ -11175,6 +11190,13 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       });
   }
 
+  // The element drawn as it is now (cropped from the page's picture), uploaded as `kind`.
+  async function elementPicture(el, kind) {
+    const shots = await capture([el]);
+    const shot = shots[1] || shots[0];
+    return Object.assign(await upload(shot.blob, kind), { width: shot.width, height: shot.height });
+  }
+
   // ------------------------------------------------------------ questions
 
   // An agent's question about this page, at the top of it: the person answers by
@@ -11204,10 +11226,9 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     state.answering = null;
     const panel = ui.asks && ui.asks.querySelector('[data-ask-id="' + CSS.escape(id) + '"]');
     const words = panel ? panel.querySelector('[data-pinbox="answer-words"]').value.trim() : '';
-    const shots = await capture([el]).catch(() => []);
-    const shot = shots[1] || shots[0];
     const body = { text: words || undefined, target: describeAll([el]) };
-    if (shot) body.attachments = [Object.assign(await upload(shot.blob, 'screenshot'), { width: shot.width, height: shot.height, label: 'element' })];
+    const picture = await elementPicture(el, 'screenshot').catch(() => null);
+    if (picture) body.attachments = [Object.assign(picture, { label: 'element' })];
     await api('POST', '/asks/' + encodeURIComponent(id) + '/answer', body);
     if (panel) panel.remove();
     toast('Answer sent');
@@ -11250,11 +11271,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     const seen = window.__pinboxEvidence;
     const body = { found: !!el, errors: (seen ? seen.console : []).filter((e) => e.level !== 'warn').map((e) => e.message).slice(-20) };
     try {
-      if (el) {
-        const shots = await capture([el]);
-        const shot = shots[1] || shots[0];
-        body.attachment = Object.assign(await upload(shot.blob, 'after'), { width: shot.width, height: shot.height });
-      }
+      if (el) body.attachment = await elementPicture(el, 'after');
       upsert(await api('POST', '/pins/' + encodeURIComponent(pin.id) + '/after', body));
     } catch (err) {
       if (!refused(err)) report(err);  // (another tab took it first: E_CONFLICT)
