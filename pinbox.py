@@ -8143,7 +8143,9 @@ def cmd_ask(ctx):
     answer = wait_for_answer(ctx.store, ask["id"], timeout)
     if answer is None:
         raise PinboxError("E_TIMEOUT", "no answer to %s after %g s" % (ask["id"], timeout),
-                          "the question stays on the page: `pinbox show <pin>` shows the answer when it comes")
+                          "the question stays on the page; its answer comes as a thread message (%s)" % (
+                              "`pinbox show %s`" % ask["pinId"] if ask.get("pinId") else
+                              "on a new note there: `pinbox list --kind note`"))
     ctx.out.result(dict(answer, ask=ask), answer_words(answer))
 
 
