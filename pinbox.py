@@ -9040,7 +9040,9 @@ EARLY_JS = r"""/* pinbox early hook: what the page saw go wrong, kept for a pin.
   var KEEP = 20;
   var SECRET = new RegExp(@SECRET_PARAM@, 'gi');  // (the hub's own rule: SECRET_PARAM)
   var logged = [], failed = [];
-  Object.defineProperty(window, '__pinboxEvidence', { value: { console: logged, requests: failed } });
+  // `hub`: the pinbox hub's origin, once the toolbar says it: its own calls are not the page's.
+  var record = { console: logged, requests: failed, hub: '' };
+  Object.defineProperty(window, '__pinboxEvidence', { value: record });
   function cut(text, most) {
     text = String(text).replace(SECRET, '$1[hidden]');
     return text.length > most ? text.slice(0, most) + '...' : text;
@@ -9064,7 +9066,9 @@ EARLY_JS = r"""/* pinbox early hook: what the page saw go wrong, kept for a pin.
     try { return cut(new URL(String(url), location.href).href, 2000); } catch (err) { return cut(url, 2000); }
   }
   function fail(kind, method, url, status, started) {
-    keep(failed, { kind: kind, method: cut(String(method || 'GET').toUpperCase(), 20), url: address(url),
+    var where = address(url);
+    if (record.hub && where.indexOf(record.hub + '/') === 0) return;
+    keep(failed, { kind: kind, method: cut(String(method || 'GET').toUpperCase(), 20), url: where,
       status: status >= 0 && status < 1000 ? status : 0, ms: started ? Date.now() - started : undefined });
   }
   ['error', 'warn'].forEach(function (level) {
@@ -9143,6 +9147,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     Array.from(document.querySelectorAll('script[src][data-token]')).find((s) => /toolbar[.]js/.test(s.src));
   if (!script) return;
   const ENDPOINT = new URL(script.src, location.href).origin;
+  window.__pinboxEvidence.hub = ENDPOINT;  // this toolbar's calls to its hub are no failure of the page's
   const TOKEN = script.getAttribute('data-token') || '';
   // Behind `pinbox open` the page is served at the proxy's address: pins name the app's
   // own (data-app), and a pin made with either address is this page's.

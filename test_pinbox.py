@@ -5184,6 +5184,12 @@ class TestEvidenceInChromium(BrowserCase):
         requests = {(r["kind"], r["url"].split("/", 3)[3], r["status"]) for r in kept["requests"]}
         self.assertLessEqual({("fetch", "missing", 404), ("xhr", "refused", 0)}, requests)
         self.assertNotIn("SIGSECRETzz", json.dumps(kept))
+        # The toolbar's own calls to its hub that fail (a hub down, a 404) are not the page's.
+        b.evaluate("fetch('http://127.0.0.1:%d/pins/pin_0000000000').then(r => r.status)" % self.port)
+        b.evaluate("fetch('/also-missing').then(r => r.status)")  # (the page's own: recorded, after the hub's)
+        urls = [r["url"] for r in b.evaluate("window.__pinboxEvidence.requests")]
+        self.assertTrue(urls[-1].endswith("/also-missing"), urls)
+        self.assertFalse([u for u in urls if u.startswith("http://127.0.0.1:%d/" % self.port)], urls)
         # 20 errors of 6 KB each: the toolbar sends the newest that fit the hub's 64 KiB.
         drop_pin(b, "document.getElementById('t')", "after the flood")
         [pin] = self.ok("list")
