@@ -8402,10 +8402,19 @@ def cmd_doctor(ctx):
     return 1 if failing else 0
 
 
+def project_folder(arg):
+    """The folder `--project` names, which must exist: a typo is refused, never made the
+    home of a new project and a hub nobody asked for."""
+    folder = os.path.abspath(os.path.expanduser(arg))
+    if not os.path.isdir(folder):
+        raise PinboxError("E_NOT_FOUND", "no folder %s" % folder, "pass --project your app's folder")
+    return folder
+
+
 def cmd_mcp(ctx):
     """An MCP server on stdin/stdout until the client closes it (see the MCP section)."""
     if ctx.args.project:  # a client that starts its servers elsewhere (Windsurf, Claude Desktop)
-        ctx.cwd = os.path.abspath(os.path.expanduser(ctx.args.project))
+        ctx.cwd = project_folder(ctx.args.project)
     start_hub_quietly(ctx.root, quick=True)  # the toolbar's hub, for the person; the server needs none
     import io
     # Bytes in and out; run as a library with text streams (pinbox.run), those are wrapped.
@@ -8419,8 +8428,14 @@ def cmd_mcp(ctx):
 def cmd_install(ctx):
     args = ctx.args
     folder = os.path.abspath(os.path.expanduser(args.dir or os.path.join("~", ".local", "bin")))
-    plan = plan_launcher(os.path.join(folder, "pinbox"), uninstall=args.uninstall)
-    plan.apply()
+    path = os.path.join(folder, "pinbox")
+    try:
+        plan = plan_launcher(path, uninstall=args.uninstall)
+        plan.apply()
+    except OSError as exc:  # the folder asked for: unwritable, a file, a name too long
+        raise PinboxError("E_INVALID_INPUT", "cannot %s %s: %s" % ("remove" if args.uninstall else "write", path,
+                                                                    exc.strerror or exc),
+                          "pass --dir a folder you can write (default ~/.local/bin)")
     on_path = folder in [os.path.abspath(p) for p in os.environ.get("PATH", "").split(os.pathsep) if p]
     notes = list(plan.notes)
     if not (on_path or args.uninstall or plan.outcome == "kept"):
@@ -8432,7 +8447,7 @@ def cmd_install(ctx):
 
 def cmd_serve(ctx):
     args = ctx.args
-    root = os.path.abspath(args.project) if args.project else ctx.root
+    root = project_folder(args.project) if args.project else ctx.root
     terminal = sys.stdout.isatty()
 
     def ready(port, token):

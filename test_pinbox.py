@@ -9261,6 +9261,29 @@ class TestInstall(PinboxCase):
                                          ).json["data"]["outcome"], "absent")
         self.assertTrue(os.path.exists(mine))
 
+    def test_a_folder_that_cannot_hold_the_launcher_is_named_in_the_error(self):
+        """CI's command-line fuzz (seed 941921680) gave `install --dir` a 300-letter name:
+        the OS refused it and pinbox reported its own bug (E_INTERNAL)."""
+        plain_file = os.path.join(self.tmp, "a-file")
+        with open(plain_file, "w") as handle:
+            handle.write("not a folder\n")
+        for folder in ("x" * 300, plain_file):
+            for extra in ((), ("--uninstall",)):
+                error = self.fails("E_INVALID_INPUT", 2, "install", "--dir", folder, *extra)
+                self.assertRegex(error["message"], r"^cannot (write|remove) .*/pinbox: \S")
+                self.assertIn("--dir", error["hint"])
+        with open(plain_file) as handle:
+            self.assertEqual(handle.read(), "not a folder\n")
+
+    def test_a_project_folder_that_is_not_there_is_refused_not_made(self):
+        missing = os.path.join(self.tmp, "typo", "app")
+        for verb in ("serve", "mcp"):
+            error = self.fails("E_NOT_FOUND", 3, verb, "--project", missing)
+            self.assertEqual(error["message"], "no folder %s" % missing)
+        self.assertEqual(self.fails("E_NOT_FOUND", 3, "serve", "--project", "x" * 300)["message"],
+                         "no folder %s" % os.path.join(self.repo, "x" * 300))
+        self.assertFalse(os.path.exists(os.path.dirname(missing)))
+
 
 class TestInitAgents(PinboxCase):
     def setUp(self):
