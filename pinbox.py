@@ -335,6 +335,14 @@ def dumps_compact(value):
     return "".join(encode(value, 0))
 
 
+def ordered(record, keys):
+    out = {k: record[k] for k in keys if k in record and record[k] is not None}
+    for k, v in record.items():
+        if k not in out and v is not None:
+            out[k] = v
+    return out
+
+
 def js_number(value):
     """Numbers print the JavaScript way: an integral float prints as 120, not 120.0."""
     if isinstance(value, float) and value % 1 == 0:
@@ -490,21 +498,6 @@ def _backfill_numbers(conn):
             conn.execute("UPDATE pins SET n = ? WHERE rowid = ?", (n, rowid))
 
 
-def _backfill_delivery_pins(conn):
-    """Unclaimed rows get their pin; those of pins no longer open are dropped (an older
-    pinbox left them for the first session to claim, all at once)."""
-    rows = conn.execute("SELECT d.id, e.type, e.payload FROM deliveries d JOIN events e ON e.seq = d.event_seq "
-                        "WHERE d.session_id IS NULL AND d.status = 'pending'").fetchall()
-    for row_id, kind, raw in rows:
-        try:
-            pin_id = deliverable_pin(kind, json_loads(raw))
-        except ValueError:
-            pin_id = None
-        conn.execute("UPDATE deliveries SET pin_id = ? WHERE id = ?", (pin_id, row_id))
-    conn.execute("UPDATE deliveries SET status = 'skipped' WHERE session_id IS NULL AND status = 'pending' "
-                 "AND (pin_id IS NULL OR pin_id NOT IN (SELECT id FROM pins WHERE status = 'open'))")
-
-
 def _backfill_fts(conn):
     """Databases made before full-text search (or by a build without it) get their
     pins and messages indexed once FTS5 is there."""
@@ -594,7 +587,7 @@ class Store:
                 if number == 6:
                     _backfill_numbers(conn)
                 if number == 9:
-                    _backfill_delivery_pins(conn)
+                    backfill_delivery_pins(conn)
                 conn.execute("PRAGMA user_version = %d" % number)
             self._fts = None
             if self.has_fts():
@@ -712,11 +705,16 @@ def store_error(path, exc):
                        "new one) or restore it from a backup" % path)
 
 
-def append_event(conn, kind, at, payload):
-    cur = conn.execute("INSERT INTO events(type, at, payload) VALUES (?, ?, ?)",
-                       (kind, at, dumps_compact(payload)))
-    return cur.lastrowid
+# ============================================================================
+# Events and the delivery ledger
+# ============================================================================
 
+# The event log is the order of everything that happened; the ledger is who must hear
+# of it. Every event gets exactly one ledger row, written in the transaction that appends
+# the event: the ledger never lags the log, even across a crash. Rows are `pending`,
+# `delivered`, `failed` (terminal, with last_error) or `skipped` (not for agents). This
+# section is the only writer of both tables: the others say what happened (a verb below)
+# and routing (further on) says which session a row is for.
 
 def last_seq(conn):
     """The newest event's number (0 in an empty store)."""
@@ -735,6 +733,269 @@ def events_after(store, seq, limit=500):
         "SELECT seq, type, at, payload FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
         (seq, limit)).fetchall()
     return [{"seq": s, "type": t, "at": a, "payload": json_loads(p)} for s, t, a, p in rows]
+
+
+def record_event(conn, kind, at, payload, routed=True):
+    """Appends an event and routes it (its ledger row) in the caller's transaction. An
+    event imported by sync is routed by sync once the pin's whole history is folded in."""
+    seq = conn.execute("INSERT INTO events(type, at, payload) VALUES (?, ?, ?)",
+                       (kind, at, dumps_compact(payload))).lastrowid
+    if routed:
+        route_event(conn, seq, kind, payload)
+    return seq
+
+
+
+def deliverable_pin(kind, payload):
+    """The pin an event should reach an agent about, or None. Agents are never sent
+    their own words, nor resolutions; a human's verdict on a fix is sent, and a nudge."""
+    if kind in ("pin.created", "pin.verified", "pin.nudged"):
+        return payload.get("id")
+    if kind == "thread.message" and payload.get("role") in ("human", "mirror"):
+        return payload.get("pinId")
+    return None
+
+
+def is_quiet(kind, payload):
+    """News an agent is told at its next prompt but never woken or held for: a note
+    (context, not work) and a fix the person accepted."""
+    return (kind == "pin.created" and payload.get("intent") == "note") or (
+        kind == "pin.verified" and (payload.get("verification") or {}).get("outcome") == "accepted")
+
+
+def event_pin_id(kind, payload):
+    """The pin any event is about."""
+    return payload.get("pinId") if kind == "thread.message" else payload.get("id")
+
+
+def backfill_delivery_pins(conn):
+    """Unclaimed rows get their pin; those of pins no longer open are dropped (an older
+    pinbox left them for the first session to claim, all at once)."""
+    rows = conn.execute("SELECT d.id, e.type, e.payload FROM deliveries d JOIN events e ON e.seq = d.event_seq "
+                        "WHERE d.session_id IS NULL AND d.status = 'pending'").fetchall()
+    for row_id, kind, raw in rows:
+        try:
+            pin_id = deliverable_pin(kind, json_loads(raw))
+        except ValueError:
+            pin_id = None
+        conn.execute("UPDATE deliveries SET pin_id = ? WHERE id = ?", (pin_id, row_id))
+    conn.execute("UPDATE deliveries SET status = 'skipped' WHERE session_id IS NULL AND status = 'pending' "
+                 "AND (pin_id IS NULL OR pin_id NOT IN (SELECT id FROM pins WHERE status = 'open'))")
+
+
+def clock_stepped_back(now):
+    """A row last written after `now` (and by more than clocks of one machine disagree)
+    was written before the clock stepped back: its due time or lease counts as due or
+    expired, rather than waiting out the step."""
+    return iso_time(now + 5)
+
+
+# --- Rows: made, skipped, claimed by a session, collected by its hooks ---------
+
+def insert_delivery(conn, seq, pin_id, session_id, adapter, status, due_at=None):
+    conn.execute("INSERT INTO deliveries(event_seq, pin_id, session_id, adapter, status, attempts, due_at, "
+                 "updated_at) VALUES (?, ?, ?, ?, ?, 0, ?, ?)",
+                 (seq, pin_id, session_id, adapter, status, due_at, iso_time()))
+
+
+def skip_delivery(conn, row_id, adapter=None):
+    """A row that is for nobody here: its pin is gone, or (adapter `remote`) it is
+    owned by a session on another machine."""
+    conn.execute("UPDATE deliveries SET adapter = COALESCE(?, adapter), status = 'skipped', updated_at = ? "
+                 "WHERE id = ?", (adapter, iso_time(), row_id))
+
+
+def skip_pin_deliveries(conn, pin_id, unclaimed_only):
+    """A pin's pending rows, skipped: those no session claimed when it is resolved
+    (nobody need hear of it now; a reopen is routed afresh), or all of them when the
+    pin moved to another machine's session (adapter `remote`)."""
+    if unclaimed_only:
+        conn.execute("UPDATE deliveries SET status = 'skipped', updated_at = ? WHERE pin_id = ? AND "
+                     "session_id IS NULL AND status = 'pending'", (iso_time(), pin_id))
+    else:
+        conn.execute("UPDATE deliveries SET status = 'skipped', adapter = 'remote', updated_at = ? WHERE pin_id = ? "
+                     "AND status = 'pending'", (iso_time(), pin_id))
+
+
+def unclaimed_deliveries(conn, limit):
+    """(row id, pin id) of rows waiting for any session, newest first."""
+    return conn.execute("SELECT id, pin_id FROM deliveries WHERE session_id IS NULL AND status = 'pending' "
+                        "ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
+
+
+def claim_delivery(conn, row_id, session_id, adapter, status, due_at):
+    """A waiting row, now a session's."""
+    conn.execute("UPDATE deliveries SET session_id = ?, adapter = ?, status = ?, due_at = ?, updated_at = ? "
+                 "WHERE id = ?", (session_id, adapter, status, due_at, iso_time(), row_id))
+
+
+def unclaim_deliveries(conn, session_id):
+    """A forgotten session's pending rows wait for any session again; its pins' binding
+    brings them back to the same (agent, key) once that registers again."""
+    conn.execute("UPDATE deliveries SET session_id = NULL, adapter = 'none', due_at = NULL, lease_owner = NULL, "
+                 "lease_until = NULL, updated_at = ? WHERE session_id = ? AND status = 'pending'",
+                 (iso_time(), session_id))
+
+
+
+def pending_pulls(conn, session_id, limit=-1):
+    """The session's pending rows, oldest first (at most `limit`; -1: all): a session
+    that pulls is reachable, whatever adapter a row was waiting for. Only a push in
+    flight (its lease held) is left to finish, so nothing is delivered twice."""
+    return conn.execute(
+        "SELECT d.id, e.seq, e.type, e.payload FROM deliveries d JOIN events e ON e.seq = d.event_seq "
+        "WHERE d.session_id = ? AND d.status = 'pending' "
+        "AND (d.lease_until IS NULL OR d.lease_until < ? OR d.updated_at > ?) ORDER BY d.id LIMIT ?",
+        (session_id, iso_time(), clock_stepped_back(time.time()), limit)).fetchall()
+
+
+def waiting_rows(conn, session_id):
+    """How many rows still wait for the session (read off the index alone)."""
+    return conn.execute("SELECT COUNT(*) FROM deliveries WHERE session_id = ? AND status = 'pending'",
+                        (session_id,)).fetchone()[0]
+
+
+def mark_delivered(conn, row_ids):
+    now = iso_time()
+    conn.executemany("UPDATE deliveries SET status = 'delivered', adapter = 'hooks', delivered_at = ?, "
+                     "updated_at = ? WHERE id = ?", [(now, now, row_id) for row_id in row_ids])
+
+
+# --- Rows pushed by the hub: due, leased, delivered, retried or failed --------
+
+# One push at a time per session, oldest first: two resumed agents must never write
+# into one transcript at once, and a thread reaches its agent in the order it was written.
+_DUE_DELIVERIES = (
+    "SELECT d.id, d.adapter, d.attempts, d.session_id, e.seq, e.type, e.at, e.payload FROM deliveries d "
+    "JOIN events e ON e.seq = d.event_seq WHERE d.status = 'pending' AND d.session_id IS NOT NULL "
+    "AND d.due_at IS NOT NULL AND (d.due_at <= :now OR d.updated_at > :stepped) "
+    "AND (d.lease_until IS NULL OR d.lease_until < :now OR d.updated_at > :stepped) "
+    "AND NOT EXISTS (SELECT 1 FROM deliveries o WHERE o.session_id = d.session_id AND o.status = 'pending' "
+    "AND o.id != d.id AND o.lease_until >= :now AND o.updated_at <= :stepped) "
+    "ORDER BY d.due_at, d.id LIMIT :limit")
+
+
+def due_deliveries(conn, now, limit):
+    """(row id, adapter, attempts, session id, seq, event type, event time, payload) of
+    rows due at `now` that nobody holds."""
+    return conn.execute(_DUE_DELIVERIES, {"now": iso_time(now), "stepped": clock_stepped_back(now),
+                                          "limit": limit}).fetchall()
+
+
+def park_delivery(conn, row_id, adapter):
+    """Nothing can push to the row's session now: it waits for the session's next pull."""
+    conn.execute("UPDATE deliveries SET adapter = ?, due_at = NULL, updated_at = ? WHERE id = ?",
+                 (adapter, iso_time(), row_id))
+
+
+def lease_delivery(conn, row_id, adapter, claim, until):
+    conn.execute("UPDATE deliveries SET adapter = ?, lease_owner = ?, lease_until = ?, updated_at = ? "
+                 "WHERE id = ?", (adapter, claim, until, iso_time(), row_id))
+
+
+def leased_attempts(conn, row_id, claim):
+    """How often a row this claim still holds was tried, or None: the claim was lost."""
+    row = conn.execute("SELECT attempts FROM deliveries WHERE id = ? AND lease_owner = ? AND status = 'pending'",
+                       (row_id, claim)).fetchone()
+    return None if row is None else row[0]
+
+
+def mark_pushed(conn, row_id):
+    now = iso_time()
+    conn.execute("UPDATE deliveries SET status = 'delivered', delivered_at = ?, attempts = attempts + 1, "
+                 "last_error = NULL, lease_owner = NULL, lease_until = NULL, due_at = NULL, updated_at = ? "
+                 "WHERE id = ?", (now, now, row_id))
+
+
+def retry_delivery(conn, row_id, attempts, message, due_at):
+    conn.execute("UPDATE deliveries SET attempts = ?, last_error = ?, due_at = ?, lease_owner = NULL, "
+                 "lease_until = NULL, updated_at = ? WHERE id = ?", (attempts, message, due_at, iso_time(), row_id))
+
+
+def fail_delivery(conn, row_id, message, attempts=None):
+    """A row that failed for good (`message` starts with its error code)."""
+    conn.execute("UPDATE deliveries SET status = 'failed', attempts = COALESCE(?, attempts), last_error = ?, "
+                 "due_at = NULL, lease_owner = NULL, lease_until = NULL, updated_at = ? WHERE id = ?",
+                 (attempts, message, iso_time(), row_id))
+
+
+
+def next_due_at(conn):
+    """When the next pending push row that nobody holds falls due (ISO time), or None."""
+    return conn.execute("SELECT MIN(due_at) FROM deliveries WHERE status = 'pending' AND "
+                        "due_at IS NOT NULL AND lease_until IS NULL").fetchone()[0]
+
+
+def release_claims(conn, owner):
+    """Frees the rows this hub's claims hold (a claim is `owner:<nonce>`)."""
+    conn.execute("UPDATE deliveries SET lease_owner = NULL, lease_until = NULL WHERE lease_owner LIKE ?",
+                 (owner + ":%",))
+
+
+def release_dead_leases(conn):
+    """Every lease still held: only one hub runs per project, so the next one frees what
+    a dead one left."""
+    conn.execute("UPDATE deliveries SET lease_owner = NULL, lease_until = NULL WHERE lease_until IS NOT NULL")
+
+
+def last_routed_seq(conn):
+    """The newest event that has its ledger row (events past it came from an older pinbox
+    or a database brought from elsewhere)."""
+    return conn.execute("SELECT COALESCE(MAX(event_seq), 0) FROM deliveries").fetchone()[0]
+
+
+# --- Reading the ledger ---------------------------------------------------------
+
+DELIVERY_KEYS = ("id", "eventSeq", "event", "pin", "session", "adapter", "status", "attempts", "dueAt", "lastError",
+                 "updatedAt", "deliveredAt")
+_DELIVERY_SELECT = ("SELECT d.id, e.seq, e.type, d.pin_id, d.session_id, d.adapter, d.status, d.attempts, d.due_at, "
+                    "d.last_error, d.updated_at, d.delivered_at, e.payload FROM deliveries d "
+                    "JOIN events e ON e.seq = d.event_seq ")
+
+
+def delivery_rows(conn, where, args=()):
+    """Ledger rows as records, each with the payload of its event (for filtering)."""
+    return [(ordered(dict(zip(DELIVERY_KEYS, row[:-1])), DELIVERY_KEYS), json_loads(row[-1]))
+            for row in conn.execute(_DELIVERY_SELECT + where, args)]
+
+
+def deliveries_for_pin(store, pin_id):
+    """A pin's delivery history: every ledger row of every event about it."""
+    with store.guard():
+        rows = delivery_rows(store.conn, "WHERE instr(e.payload, ?) > 0 ORDER BY d.id", ('"%s"' % pin_id,))
+    return [row for row, payload in rows
+            if event_pin_id(row["event"], payload) == pin_id]
+
+
+def stuck_deliveries(conn, limit=5):
+    """(pin id, event, adapter, last error) of open pins whose delivery failed for good
+    with nothing about them delivered since: news an agent never got."""
+    return conn.execute(
+        "SELECT d.pin_id, e.type, d.adapter, d.last_error FROM deliveries d JOIN pins p ON p.id = d.pin_id "
+        "JOIN events e ON e.seq = d.event_seq WHERE d.status = 'failed' AND p.status = 'open' AND NOT EXISTS "
+        "(SELECT 1 FROM deliveries later WHERE later.pin_id = d.pin_id AND later.id > d.id AND "
+        "later.status = 'delivered') ORDER BY d.id DESC LIMIT ?", (limit,)).fetchall()
+
+
+def newest_deliveries(conn, pin_ids):
+    """Each pin's newest row that was for an agent: pin id → (status, last error, when
+    delivered or last changed, adapter, session id)."""
+    return {row[0]: row[1:] for row in conn.execute(
+        "SELECT pin_id, status, last_error, COALESCE(delivered_at, updated_at), adapter, session_id "
+        "FROM deliveries WHERE id IN (SELECT MAX(id) FROM deliveries WHERE pin_id IN (%s) "
+        "AND status != 'skipped' GROUP BY pin_id)" % ",".join("?" * len(pin_ids)), pin_ids)}
+
+
+def delivery_health(conn, overdue_before):
+    """How the ledger stands: rows failed for good (and the newest such error), pushes
+    due before `overdue_before` and still pending, and rows waiting for any session."""
+    failed, last_error = conn.execute("SELECT COUNT(*), MAX(last_error) FROM deliveries WHERE status = 'failed'"
+                                      ).fetchone()
+    overdue = conn.execute("SELECT COUNT(*) FROM deliveries WHERE status = 'pending' AND session_id IS NOT NULL "
+                           "AND due_at IS NOT NULL AND due_at < ?", (overdue_before,)).fetchone()[0]
+    waiting = conn.execute("SELECT COUNT(*) FROM deliveries WHERE status = 'pending' AND session_id IS NULL"
+                           ).fetchone()[0]
+    return {"failed": failed, "lastError": last_error, "overdue": overdue, "waiting": waiting}
 
 
 # ============================================================================
@@ -970,14 +1231,6 @@ PIN_KEYS = ("text", "kind", "intent", "target", "move", "env", "evidence", "auth
 MESSAGE_KEYS = ("id", "pinId", "role", "origin", "session", "text", "target", "attachments", "answers", "at")
 
 
-def ordered(record, keys):
-    out = {k: record[k] for k in keys if k in record and record[k] is not None}
-    for k, v in record.items():
-        if k not in out and v is not None:
-            out[k] = v
-    return out
-
-
 def create_pin(store, fields):
     """Stores a new open pin. `fields` holds text and whatever of kind, target, move,
     env, author, agentSession and attachments the caller has."""
@@ -1000,16 +1253,21 @@ def create_pin(store, fields):
         return insert_pin(conn, store, pin)
 
 
-def insert_pin(conn, store, pin):
-    """The one writer of a new pin's row: its number, its search index, its event."""
-    pin = dict(pin, id=new_id("pin"), schemaVersion=1, status="open", createdAt=iso_time())
+def insert_pin(conn, store, pin, imported_at=None):
+    """The one writer of a new pin's row (for the CLI, the hub and sync alike): its
+    number here, its search index, its event. A pin made here gets its id and time now
+    and is routed at once; one a teammate made (`imported_at`: its sync event's time)
+    keeps its own, and sync routes it once the pin's whole history is folded in."""
+    if imported_at is None:
+        pin = dict(pin, id=new_id("pin"), schemaVersion=1, createdAt=iso_time())
     # (`n IS NOT NULL` lets SQLite read the maximum off the partial index, not scan.)
-    pin["n"] = conn.execute("SELECT COALESCE(MAX(n), 0) + 1 FROM pins WHERE n IS NOT NULL").fetchone()[0]
-    pin = ordered(pin, PIN_KEYS)
+    pin = ordered(dict(pin, status="open", n=conn.execute(
+        "SELECT COALESCE(MAX(n), 0) + 1 FROM pins WHERE n IS NOT NULL").fetchone()[0]), PIN_KEYS)
+    at = str(pin.get("createdAt") or imported_at)
     conn.execute("INSERT INTO pins(id, status, created_at, json, n) VALUES (?, ?, ?, ?, ?)",
-                 (pin["id"], pin["status"], pin["createdAt"], dumps_compact(pin), pin["n"]))
+                 (pin["id"], "open", at, dumps_compact(pin), pin["n"]))
     store.index_text(conn, pin["id"], "pin", pin["text"])
-    record_event(conn, "pin.created", pin["createdAt"], pin)
+    record_event(conn, "pin.created", at, pin, routed=imported_at is None)
     return pin
 
 
@@ -1118,12 +1376,20 @@ def add_message(store, handle, role, text, session=None, origin=None, attachment
     return message
 
 
-def insert_message(conn, store, pin_id, fields):
-    message = ordered(dict(fields, id=new_id("msg"), pinId=pin_id, at=iso_time()), MESSAGE_KEYS)
-    conn.execute("INSERT INTO thread_messages(id, pin_id, at, json) VALUES (?, ?, ?, ?)",
-                 (message["id"], pin_id, message["at"], dumps_compact(message)))
+def insert_message(conn, store, pin_id, fields, imported=None):
+    """The one writer of a thread message's row: its search index, its event. One a
+    teammate wrote (`imported`: its sync event's time and its place in the order every
+    machine shares) keeps its id and time, and sync routes it."""
+    if imported is None:
+        message = ordered(dict(fields, id=new_id("msg"), pinId=pin_id, at=iso_time()), MESSAGE_KEYS)
+        at, place = message["at"], None
+    else:
+        message = ordered(fields, MESSAGE_KEYS)
+        at, place = str(message.get("at") or imported[0]), imported[1]
+    conn.execute("INSERT INTO thread_messages(id, pin_id, at, json, sort_key) VALUES (?, ?, ?, ?, ?)",
+                 (message["id"], pin_id, at, dumps_compact(message), place))
     store.index_text(conn, pin_id, "msg", message["text"])
-    record_event(conn, "thread.message", message["at"], message)
+    record_event(conn, "thread.message", at, message, routed=imported is None)
     return message
 
 
@@ -1426,11 +1692,7 @@ def forget_session(conn, session):
     registers the session again)."""
     conn.execute("DELETE FROM sessions WHERE id = ?", (session["id"],))
     conn.execute("DELETE FROM inbox WHERE session_id = ?", (session["id"],))
-    # What waited for it waits again; its pins' binding brings it back to the same
-    # (agent, key) once that registers again.
-    conn.execute("UPDATE deliveries SET session_id = NULL, adapter = 'none', due_at = NULL, lease_owner = NULL, "
-                 "lease_until = NULL, updated_at = ? WHERE session_id = ? AND status = 'pending'",
-                 (iso_time(), session["id"]))
+    unclaim_deliveries(conn, session["id"])
 
 
 def list_sessions(store):
@@ -1463,12 +1725,11 @@ def summary(store):
 
 
 # ============================================================================
-# Routing and the delivery ledger
+# Routing: which session hears of each event, and how
 # ============================================================================
 
-# Every event gets exactly one ledger row, written in the transaction that appends the
-# event: the ledger never lags the log, even across a crash. Rows are `pending`,
-# `delivered`, `failed` (terminal, with last_error) or `skipped` (not for agents).
+# A pin sticks to the session that first took it; an event about it is due to that
+# session's hooks, or pushed by the first adapter that reaches the session from here.
 ADAPTERS = ("hooks", "openclaw", "resume", "webhook")
 RESUME_BINARIES = {"claude": "claude", "codex": "codex", "hermes": "hermes"}
 # The most ledger rows a hook claims or collects, and pins it reads, in one go: more
@@ -1477,39 +1738,9 @@ RESUME_BINARIES = {"claude": "claude", "codex": "codex", "hermes": "hermes"}
 HOOK_CAP = 100
 
 
-def record_event(conn, kind, at, payload):
-    seq = append_event(conn, kind, at, payload)
-    route_event(conn, seq, kind, payload)
-    return seq
-
-
-def deliverable_pin(kind, payload):
-    """The pin an event should reach an agent about, or None. Agents are never sent
-    their own words, nor resolutions; a human's verdict on a fix is sent, and a nudge."""
-    if kind in ("pin.created", "pin.verified", "pin.nudged"):
-        return payload.get("id")
-    if kind == "thread.message" and payload.get("role") in ("human", "mirror"):
-        return payload.get("pinId")
-    return None
-
-
-def is_quiet(kind, payload):
-    """News an agent is told at its next prompt but never woken or held for: a note
-    (context, not work) and a fix the person accepted."""
-    return (kind == "pin.created" and payload.get("intent") == "note") or (
-        kind == "pin.verified" and (payload.get("verification") or {}).get("outcome") == "accepted")
-
-
-def event_pin_id(kind, payload):
-    """The pin any event is about."""
-    return payload.get("pinId") if kind == "thread.message" else payload.get("id")
-
-
 def route_event(conn, seq, kind, payload):
     if kind == "pin.resolved":
-        # What nobody claimed need not reach anyone now; a reopen is routed afresh.
-        conn.execute("UPDATE deliveries SET status = 'skipped', updated_at = ? WHERE pin_id = ? AND "
-                     "session_id IS NULL AND status = 'pending'", (iso_time(), payload.get("id")))
+        skip_pin_deliveries(conn, payload.get("id"), unclaimed_only=True)
     pin_id = deliverable_pin(kind, payload)
     pin = find_pin(conn, pin_id) if pin_id else None
     if pin is None:
@@ -1609,31 +1840,16 @@ def first_adapter(session, after=None):
     return "none", "pending", iso_time()
 
 
-def clock_stepped_back(now):
-    """A row last written after `now` (and by more than clocks of one machine disagree)
-    was written before the clock stepped back: its due time or lease counts as due or
-    expired, rather than waiting out the step."""
-    return iso_time(now + 5)
-
-
-def insert_delivery(conn, seq, pin_id, session_id, adapter, status, due_at=None):
-    conn.execute("INSERT INTO deliveries(event_seq, pin_id, session_id, adapter, status, attempts, due_at, "
-                 "updated_at) VALUES (?, ?, ?, ?, ?, 0, ?, ?)",
-                 (seq, pin_id, session_id, adapter, status, due_at, iso_time()))
-
-
 def claim_unassigned(conn, session):
     """Rows that waited for any session go to this one (or, if their pin was bound
     meanwhile, to its session); their pins are bound. Only open pins have such rows
     (a resolution drops them), so a prompt binds what its context shows, however many
     pins were resolved before any session came. At most HOOK_CAP rows, newest first (the
     pins a context lists first); the rest wait for the next hook."""
-    rows = conn.execute("SELECT id, pin_id FROM deliveries WHERE session_id IS NULL AND status = 'pending' "
-                        "ORDER BY id DESC LIMIT ?", (HOOK_CAP,)).fetchall()
-    for row_id, pin_id in rows:
+    for row_id, pin_id in unclaimed_deliveries(conn, HOOK_CAP):
         pin = find_pin(conn, pin_id) if pin_id else None
         if pin is None:
-            conn.execute("UPDATE deliveries SET status = 'skipped', updated_at = ? WHERE id = ?", (iso_time(), row_id))
+            skip_delivery(conn, row_id)
             continue
         target = session
         if pin.get("agentSession"):
@@ -1641,35 +1857,10 @@ def claim_unassigned(conn, session):
         else:
             bind_pin(conn, pin, session)
         if target is REMOTE:
-            conn.execute("UPDATE deliveries SET adapter = 'remote', status = 'skipped', updated_at = ? WHERE id = ?",
-                         (iso_time(), row_id))
+            skip_delivery(conn, row_id, "remote")
             continue
         adapter, status, due = ("hooks", "pending", None) if pin.get("intent") == "note" else first_adapter(target)
-        conn.execute("UPDATE deliveries SET session_id = ?, adapter = ?, status = ?, due_at = ?, updated_at = ? "
-                     "WHERE id = ?", (target["id"], adapter, status, due, iso_time(), row_id))
-
-
-def pending_pulls(conn, session_id, limit=-1):
-    """The session's pending rows, oldest first (at most `limit`; -1: all): a session
-    that pulls is reachable, whatever adapter a row was waiting for. Only a push in
-    flight (its lease held) is left to finish, so nothing is delivered twice."""
-    return conn.execute(
-        "SELECT d.id, e.seq, e.type, e.payload FROM deliveries d JOIN events e ON e.seq = d.event_seq "
-        "WHERE d.session_id = ? AND d.status = 'pending' "
-        "AND (d.lease_until IS NULL OR d.lease_until < ? OR d.updated_at > ?) ORDER BY d.id LIMIT ?",
-        (session_id, iso_time(), clock_stepped_back(time.time()), limit)).fetchall()
-
-
-def waiting_rows(conn, session_id):
-    """How many rows still wait for the session (read off the index alone)."""
-    return conn.execute("SELECT COUNT(*) FROM deliveries WHERE session_id = ? AND status = 'pending'",
-                        (session_id,)).fetchone()[0]
-
-
-def mark_delivered(conn, row_ids):
-    now = iso_time()
-    conn.executemany("UPDATE deliveries SET status = 'delivered', adapter = 'hooks', delivered_at = ?, "
-                     "updated_at = ? WHERE id = ?", [(now, now, row_id) for row_id in row_ids])
+        claim_delivery(conn, row_id, target["id"], adapter, status, due)
 
 
 def open_pins(conn, limit=-1):
@@ -1774,49 +1965,6 @@ def peek_pending(store, agent, key):
     return list(pins.values())
 
 
-DELIVERY_KEYS = ("id", "eventSeq", "event", "pin", "session", "adapter", "status", "attempts", "dueAt", "lastError",
-                 "updatedAt", "deliveredAt")
-_DELIVERY_SELECT = ("SELECT d.id, e.seq, e.type, d.pin_id, d.session_id, d.adapter, d.status, d.attempts, d.due_at, "
-                    "d.last_error, d.updated_at, d.delivered_at, e.payload FROM deliveries d "
-                    "JOIN events e ON e.seq = d.event_seq ")
-
-
-def delivery_rows(conn, where, args=()):
-    """Ledger rows as records, each with the payload of its event (for filtering)."""
-    return [(ordered(dict(zip(DELIVERY_KEYS, row[:-1])), DELIVERY_KEYS), json_loads(row[-1]))
-            for row in conn.execute(_DELIVERY_SELECT + where, args)]
-
-
-def deliveries_for_pin(store, pin_id):
-    """A pin's delivery history: every ledger row of every event about it."""
-    with store.guard():
-        rows = delivery_rows(store.conn, "WHERE instr(e.payload, ?) > 0 ORDER BY d.id", ('"%s"' % pin_id,))
-    return [row for row, payload in rows
-            if event_pin_id(row["event"], payload) == pin_id]
-
-
-def stuck_deliveries(conn, limit=5):
-    """(pin id, event, adapter, last error) of open pins whose delivery failed for good
-    with nothing about them delivered since: news an agent never got."""
-    return conn.execute(
-        "SELECT d.pin_id, e.type, d.adapter, d.last_error FROM deliveries d JOIN pins p ON p.id = d.pin_id "
-        "JOIN events e ON e.seq = d.event_seq WHERE d.status = 'failed' AND p.status = 'open' AND NOT EXISTS "
-        "(SELECT 1 FROM deliveries later WHERE later.pin_id = d.pin_id AND later.id > d.id AND "
-        "later.status = 'delivered') ORDER BY d.id DESC LIMIT ?", (limit,)).fetchall()
-
-
-def delivery_health(conn, overdue_before):
-    """How the ledger stands: rows failed for good (and the newest such error), pushes
-    due before `overdue_before` and still pending, and rows waiting for any session."""
-    failed, last_error = conn.execute("SELECT COUNT(*), MAX(last_error) FROM deliveries WHERE status = 'failed'"
-                                      ).fetchone()
-    overdue = conn.execute("SELECT COUNT(*) FROM deliveries WHERE status = 'pending' AND session_id IS NOT NULL "
-                           "AND due_at IS NOT NULL AND due_at < ?", (overdue_before,)).fetchone()[0]
-    waiting = conn.execute("SELECT COUNT(*) FROM deliveries WHERE status = 'pending' AND session_id IS NULL"
-                           ).fetchone()[0]
-    return {"failed": failed, "lastError": last_error, "overdue": overdue, "waiting": waiting}
-
-
 def pin_progress(conn, pins):
     """Where each pin stands, for the page: resolved (by whom, with which commit),
     replied (the agent spoke last), failed (its newest ledger row, with the error),
@@ -1827,11 +1975,7 @@ def pin_progress(conn, pins):
     for start in range(0, len(ids), 500):  # SQLite's bound-parameter limit
         chunk = ids[start:start + 500]
         marks = ",".join("?" * len(chunk))
-        for pin_id, status, error, at, adapter, sid in conn.execute(
-                "SELECT pin_id, status, last_error, COALESCE(delivered_at, updated_at), adapter, session_id "
-                "FROM deliveries WHERE id IN (SELECT MAX(id) FROM deliveries WHERE pin_id IN (%s) "
-                "AND status != 'skipped' GROUP BY pin_id)" % marks, chunk):
-            rows[pin_id] = (status, error, at, adapter, sid)
+        rows.update(newest_deliveries(conn, chunk))
         # The last word in the thread's own order (the one every synced machine shares).
         for pin_id, raw in conn.execute(
                 "SELECT pin_id, json FROM (SELECT pin_id, json, ROW_NUMBER() OVER (PARTITION BY pin_id ORDER BY "
@@ -2402,88 +2546,51 @@ def claim_due(store, owner, limit=32):
     [(row id, adapter, event, session, pin)] now leased to `owner`."""
     now = time.time()
     claimed = []
-    # One push at a time per session, oldest first: two resumed agents must never write
-    # into one transcript at once, and a thread reaches its agent in the order it was written.
-    due = ("SELECT d.id, d.adapter, d.attempts, d.session_id, e.seq, e.type, e.at, e.payload FROM deliveries d "
-           "JOIN events e ON e.seq = d.event_seq WHERE d.status = 'pending' AND d.session_id IS NOT NULL "
-           "AND d.due_at IS NOT NULL AND (d.due_at <= :now OR d.updated_at > :stepped) "
-           "AND (d.lease_until IS NULL OR d.lease_until < :now OR d.updated_at > :stepped) "
-           "AND NOT EXISTS (SELECT 1 FROM deliveries o WHERE o.session_id = d.session_id AND o.status = 'pending' "
-           "AND o.id != d.id AND o.lease_until >= :now AND o.updated_at <= :stepped) "
-           "ORDER BY d.due_at, d.id LIMIT :limit")
-    when = {"now": iso_time(now), "stepped": clock_stepped_back(now)}
     with store.guard():
-        if not store.conn.execute(due, dict(when, limit=1)).fetchone():
+        if not due_deliveries(store.conn, now, 1):
             return claimed  # nothing due: no write lock taken from the writers
     with store.write() as conn:
-        rows = conn.execute(due, dict(when, limit=limit)).fetchall()
         taken = set()
-        for row_id, adapter, attempts, session_id, seq, kind, at, raw in rows:
+        for row_id, adapter, attempts, session_id, seq, kind, at, raw in due_deliveries(conn, now, limit):
             if session_id in taken:
                 continue  # its session's earlier row goes first
             session = get_session(conn, session_id)
             payload = json_loads(raw)
             pin = find_pin(conn, deliverable_pin(kind, payload))
             if session is None or pin is None:
-                conn.execute("UPDATE deliveries SET status = 'failed', last_error = ?, due_at = NULL, updated_at = ? "
-                             "WHERE id = ?", ("E_SESSION_GONE: session %s unknown" % session_id if session is None
-                                              else "E_DELIVERY: the pin is gone", iso_time(), row_id))
+                fail_delivery(conn, row_id, "E_SESSION_GONE: session %s unknown" % session_id if session is None
+                              else "E_DELIVERY: the pin is gone")
                 continue
             # An uncollected pull row, or a push that failed, moves on to the next adapter.
             after = adapter if (adapter == "hooks" or attempts) else None
             chosen, _, _ = first_adapter(session, after)
             if chosen in ("hooks", "none"):
-                # Nothing can push to it now: it waits for the session's next pull.
-                conn.execute("UPDATE deliveries SET adapter = ?, due_at = NULL, updated_at = ? WHERE id = ?",
-                             (chosen, iso_time(), row_id))
+                park_delivery(conn, row_id, chosen)
                 continue
             lease = (resume_timeout() if chosen == "resume" else ADAPTER_TIMEOUT_S[chosen]) + 30
             claim = "%s:%s" % (owner, new_id("ses")[4:])  # this claim, not just this hub
-            conn.execute("UPDATE deliveries SET adapter = ?, lease_owner = ?, lease_until = ?, updated_at = ? "
-                         "WHERE id = ?", (chosen, claim, iso_time(now + lease), iso_time(), row_id))
+            lease_delivery(conn, row_id, chosen, claim, iso_time(now + lease))
             event = {"seq": seq, "type": kind, "at": at, "payload": payload}
             claimed.append((row_id, chosen, event, session, pin, claim))
             taken.add(session_id)
     return claimed
 
 
-def next_due_at(conn):
-    """When the next pending push row that nobody holds falls due (ISO time), or None."""
-    return conn.execute("SELECT MIN(due_at) FROM deliveries WHERE status = 'pending' AND "
-                        "due_at IS NOT NULL AND lease_until IS NULL").fetchone()[0]
-
-
-def release_claims(conn, owner):
-    """Frees the rows this hub's claims hold (a claim is `owner:<nonce>`)."""
-    conn.execute("UPDATE deliveries SET lease_owner = NULL, lease_until = NULL WHERE lease_owner LIKE ?",
-                 (owner + ":%",))
-
-
 def finish_push(store, row_id, owner, error=None):
     """Records a push's outcome, only if this owner's claim still holds."""
-    now = iso_time()
     with store.write() as conn:
-        row = conn.execute("SELECT attempts FROM deliveries WHERE id = ? AND lease_owner = ? AND status = 'pending'",
-                           (row_id, owner)).fetchone()
-        if row is None:
+        attempts = leased_attempts(conn, row_id, owner)
+        if attempts is None:
             return False
         if error is None:
-            conn.execute("UPDATE deliveries SET status = 'delivered', delivered_at = ?, attempts = attempts + 1, "
-                         "last_error = NULL, lease_owner = NULL, lease_until = NULL, due_at = NULL, updated_at = ? "
-                         "WHERE id = ?", (now, now, row_id))
+            mark_pushed(conn, row_id)
             return True
-        attempts = row[0] + 1
+        attempts += 1
         message = str(error)
         if error.final or attempts >= MAX_ATTEMPTS:
-            if not message.startswith("E_"):
-                message = "E_DELIVERY: " + message
-            conn.execute("UPDATE deliveries SET status = 'failed', attempts = ?, last_error = ?, due_at = NULL, "
-                         "lease_owner = NULL, lease_until = NULL, updated_at = ? WHERE id = ?",
-                         (attempts, message, now, row_id))
+            fail_delivery(conn, row_id, message if message.startswith("E_") else "E_DELIVERY: " + message, attempts)
         else:
-            conn.execute("UPDATE deliveries SET attempts = ?, last_error = ?, due_at = ?, lease_owner = NULL, "
-                         "lease_until = NULL, updated_at = ? WHERE id = ?",
-                         (attempts, message, iso_time(time.time() + retry_delay(attempts)), now, row_id))
+            retry_delivery(conn, row_id, attempts, message, iso_time(time.time() + retry_delay(attempts)))
         return True
 
 
@@ -2518,12 +2625,10 @@ def replay_unrouted(store):
     """Events that have no ledger row yet (written by an older pinbox, or a database
     brought from elsewhere) are routed now, in order."""
     with store.write() as conn:
-        last = conn.execute("SELECT COALESCE(MAX(event_seq), 0) FROM deliveries").fetchone()[0]
         for seq, kind, raw in conn.execute("SELECT seq, type, payload FROM events WHERE seq > ? ORDER BY seq",
-                                           (last,)).fetchall():
+                                           (last_routed_seq(conn),)).fetchall():
             route_event(conn, seq, kind, json_loads(raw))
-        # Only one hub runs per project: any lease still held was left by a dead one.
-        conn.execute("UPDATE deliveries SET lease_owner = NULL, lease_until = NULL WHERE lease_until IS NOT NULL")
+        release_dead_leases(conn)
 
 
 # --- The delivery worker: the hub's thread that runs due pushes --------------
@@ -3535,15 +3640,8 @@ def apply_event(conn, store, event, media, appended):
                 attachments.append(attachment)
         if attachments:
             pin["attachments"] = attachments
-        pin.update(text=text, status="open", machine=machine_of(event),
-                   n=conn.execute("SELECT COALESCE(MAX(n), 0) + 1 FROM pins WHERE n IS NOT NULL").fetchone()[0])
-        pin = ordered(pin, PIN_KEYS)
-        conn.execute("INSERT INTO pins(id, status, created_at, json, n) VALUES (?, ?, ?, ?, ?)",
-                     (pin["id"], "open", str(pin.get("createdAt") or event["at"]), dumps_compact(pin), pin["n"]))
-        store.index_text(conn, pin["id"], "pin", text)
-        seq = append_event(conn, kind, str(pin.get("createdAt") or event["at"]), pin)
-        conn.execute("UPDATE sync_events SET seq = ? WHERE id = ?", (seq, event["id"]))
-        appended.append((seq, kind, pin))
+        pin = insert_pin(conn, store, dict(pin, text=text, machine=machine_of(event)), imported_at=event["at"])
+        note_imported(conn, event, pin, appended)
         return True
     pin_id = event_pin_id(kind, data)
     if find_pin(conn, pin_id) is None:
@@ -3556,16 +3654,19 @@ def apply_event(conn, store, event, media, appended):
         if conn.execute("SELECT 1 FROM thread_messages WHERE id = ?", (data["id"],)).fetchone():
             return "message id %s is taken" % data["id"]
         message = {k: v for k, v in data.items() if k != "session"}
-        message = ordered(dict(message, text=message.get("text") if isinstance(message.get("text"), str) else "",
-                               machine=machine_of(event)), MESSAGE_KEYS)
-        conn.execute("INSERT INTO thread_messages(id, pin_id, at, json, sort_key) VALUES (?, ?, ?, ?, ?)",
-                     (message["id"], pin_id, str(message.get("at") or event["at"]), dumps_compact(message),
-                      sort_key(event)))
-        store.index_text(conn, pin_id, "msg", message["text"])
-        seq = append_event(conn, kind, str(message.get("at") or event["at"]), message)
-        conn.execute("UPDATE sync_events SET seq = ? WHERE id = ?", (seq, event["id"]))
-        appended.append((seq, kind, message))
+        message = insert_message(conn, store, pin_id, dict(
+            message, text=message.get("text") if isinstance(message.get("text"), str) else "",
+            machine=machine_of(event)), imported=(event["at"], sort_key(event)))
+        note_imported(conn, event, message, appended)
     return True
+
+
+def note_imported(conn, event, payload, appended):
+    """The event just recorded for a synced one: remembered against it, and kept to be
+    routed once every pin it touched is folded."""
+    seq = last_seq(conn)
+    conn.execute("UPDATE sync_events SET seq = ? WHERE id = ?", (seq, event["id"]))
+    appended.append((seq, event["type"], payload))
 
 
 def refold_pin(conn, pin_id, device, appended):
@@ -3608,7 +3709,7 @@ def refold_pin(conn, pin_id, device, appended):
             pin[field] = value
     _save_pin(conn, pin)
     for event in news:  # the pin as it is now, for the page's stream and the ledger
-        seq = append_event(conn, event["type"], event["at"], ordered(pin, PIN_KEYS))
+        seq = record_event(conn, event["type"], event["at"], ordered(pin, PIN_KEYS), routed=False)
         conn.execute("UPDATE sync_events SET seq = ? WHERE id = ?", (seq, event["id"]))
         appended.append((seq, event["type"], ordered(pin, PIN_KEYS)))
     if is_remote(pin.get("agentSession")):
@@ -3618,14 +3719,13 @@ def refold_pin(conn, pin_id, device, appended):
 def moved_elsewhere(conn, pin, before):
     """A pin now owned on another machine: nothing here waits to deliver it, and a
     local session that had it is told, once, that it moved."""
-    conn.execute("UPDATE deliveries SET status = 'skipped', adapter = 'remote', updated_at = ? WHERE pin_id = ? "
-                 "AND status = 'pending'", (iso_time(), pin["id"]))
+    skip_pin_deliveries(conn, pin["id"], unclaimed_only=False)
     if not before or is_remote(before):
         return
     session = find_session(conn, before.get("agent"), before.get("key"))
     if session is None or not is_live(session) or session["agent"] not in PULL_AGENTS:
         return
-    seq = append_event(conn, "pin.moved", iso_time(), ordered(pin, PIN_KEYS))
+    seq = record_event(conn, "pin.moved", iso_time(), ordered(pin, PIN_KEYS), routed=False)
     insert_delivery(conn, seq, pin["id"], session["id"], "hooks", "pending")
 
 
@@ -8422,7 +8522,6 @@ def cmd_mcp(ctx):
     stream = getattr(sys.stdin, "buffer", None) or io.BytesIO(sys.stdin.read().encode("utf-8"))
     McpServer(ctx.root, ctx.store, out).serve(stream)
     return 0
-
 
 
 def cmd_install(ctx):
