@@ -1271,29 +1271,22 @@ def insert_pin(conn, store, pin, imported_at=None):
     return pin
 
 
-def _read_pin(conn, handle):
-    """The pin a person names: by its id, or by the number the page and `list` show
-    (`3` or `#3`, this machine's own); E_NOT_FOUND when there is none."""
-    import re
-    handle = normalize_id(handle)
-    number = re.fullmatch(r"#?([0-9]{1,15})", handle) if isinstance(handle, str) else None
+def find_pin(conn, handle, named=False):
+    """The one way to find a pin: by its id, and None when there is none. A pin a
+    person `named` (a command's argument, a page's URL, an MCP call) may also be named
+    by the number the page and `list` show (`3` or `#3`, this machine's own), and one
+    that is not there is E_NOT_FOUND, saying what was asked for."""
+    number = None
+    if named:
+        import re
+        handle = normalize_id(handle)
+        number = re.fullmatch(r"#?([0-9]{1,15})", handle) if isinstance(handle, str) else None
     row = conn.execute("SELECT json FROM pins WHERE n = ?" if number else "SELECT json FROM pins WHERE id = ?",
                        (int(number.group(1)) if number else handle,)).fetchone()
-    if row is None:
+    if row is None and named:
         raise PinboxError("E_NOT_FOUND", "no pin %s" % (("number %s" % number.group(1)) if number else
                                                          "with id %s" % plain(str(handle)[:80])), NOT_FOUND_HINT)
-    return json_loads(row[0])
-
-
-def find_pin(conn, pin_id):
-    """The pin, or None."""
-    row = conn.execute("SELECT json FROM pins WHERE id = ?", (pin_id,)).fetchone()
     return json_loads(row[0]) if row else None
-
-
-def get_pin(store, handle):
-    with store.guard():
-        return _read_pin(store.conn, handle)
 
 
 def _save_pin(conn, pin):
@@ -1370,7 +1363,7 @@ def add_message(store, handle, role, text, session=None, origin=None, attachment
     if not text.strip():
         raise invalid("reply text must not be empty", 'quote the message: pinbox reply <id> "your text"')
     with store.write() as conn:
-        pin_id = _read_pin(conn, handle)["id"]
+        pin_id = find_pin(conn, handle, named=True)["id"]
         message = insert_message(conn, store, pin_id, dict(extra or {}, role=role, origin=origin, session=session,
                                                            text=text, attachments=attachments))
     return message
@@ -1399,7 +1392,7 @@ def resolve_pin(store, handle, by, note=None, commit=None, session=None):
     if note is not None:
         note = clean_text(note, "note")
     with store.write() as conn:
-        pin = _read_pin(conn, handle)
+        pin = find_pin(conn, handle, named=True)
         pin_id = pin["id"]
         if pin.get("status") == "resolved":
             raise PinboxError("E_CONFLICT", "%s is already resolved" % pin_id,
@@ -1421,7 +1414,7 @@ def verify_pin(store, handle, outcome, note=None):
     if note is not None:
         note = clean_text(note, "note")
     with store.write() as conn:
-        pin = _read_pin(conn, handle)
+        pin = find_pin(conn, handle, named=True)
         if pin.get("status") != "resolved":
             raise PinboxError("E_CONFLICT", "%s is not resolved" % pin["id"],
                               "only a resolved pin can be %s" % outcome)
@@ -1439,7 +1432,7 @@ def record_after(store, handle, after):
     """The picture of a resolved pin's element after the fix (AFTER_INPUT, its
     attachment the hub's own), once per resolution: with the errors then and now."""
     with store.write() as conn:
-        pin = _read_pin(conn, handle)
+        pin = find_pin(conn, handle, named=True)
         if pin.get("status") != "resolved":
             raise PinboxError("E_CONFLICT", "%s is not resolved" % pin["id"], "an after picture follows a fix")
         if (pin.get("after") or {}).get("at", "") >= (pin.get("resolution") or {}).get("at", "~"):
@@ -1461,7 +1454,7 @@ def nudge_pin(store, handle):
     """The person asks again about an open pin nobody answered: an event the ledger
     routes like new work (the session's next context, first; an ended one woken)."""
     with store.write() as conn:
-        pin = _read_pin(conn, handle)
+        pin = find_pin(conn, handle, named=True)
         if pin.get("status") != "open" or pin.get("intent") == "note":
             raise PinboxError("E_CONFLICT", "%s is not an open task" % pin["id"], "only an open task can be nudged")
         at = iso_time()
@@ -1606,23 +1599,22 @@ def is_live(session):
     return not session.get("endedAt") and session.get("lastSeenAt", "") >= stale_cutoff()
 
 
-def find_session(conn, agent, key):
+def find_session(conn, ref):
+    """The one way to find a session: by its id (`ses_…`), by `agent:key` as a person
+    types it, or by an (agent, key) pair. None when there is none: a caller that must
+    have one raises E_NOT_FOUND itself, naming what it was given."""
+    if isinstance(ref, tuple):
+        agent, key = ref
+    else:
+        ref = ref.strip() if isinstance(ref, str) else ""
+        if ref.lower().startswith("ses_"):
+            return _session(conn.execute("SELECT %s FROM sessions WHERE id = ?" % _SESSION_COLUMNS,
+                                         (ref.lower(),)).fetchone())
+        agent, sep, key = ref.partition(":")
+        if not (sep and agent in AGENTS):
+            return None
     return _session(conn.execute("SELECT %s FROM sessions WHERE agent = ? AND key = ?" % _SESSION_COLUMNS,
                                  (agent, key)).fetchone())
-
-
-def get_session(conn, session_id):
-    return _session(conn.execute("SELECT %s FROM sessions WHERE id = ?" % _SESSION_COLUMNS,
-                                 (session_id,)).fetchone())
-
-
-def lookup_session(conn, ref):
-    """A session named as `ses_…` or `agent:key`; None when there is no such session."""
-    ref = (ref or "").strip()
-    if ref.lower().startswith("ses_"):
-        return get_session(conn, ref.lower())
-    agent, sep, key = ref.partition(":")
-    return find_session(conn, agent, key) if sep and agent in AGENTS else None
 
 
 def count_live_sessions(conn):
@@ -1653,7 +1645,7 @@ def upsert_session(conn, agent, key, cwd=None):
     cleared (a session that comes back is live again). Returns (session, created)."""
     check_session_ref(agent, key)
     now = seen_now(conn)
-    existing = find_session(conn, agent, key)
+    existing = find_session(conn, (agent, key))
     if existing is None or not is_live(existing):
         cap = env_number("PINBOX_MAX_SESSIONS", 50)
         if count_live_sessions(conn) >= cap:
@@ -1703,13 +1695,14 @@ def list_sessions(store):
 
 
 def calling_session(conn, explicit=None):
-    """Who "I" am: --session, else PINBOX_SESSION, else the agent's own variables."""
+    """Who "I" am: --session, else PINBOX_SESSION, else the agent's own variables; None
+    when none of them names a session here."""
     for ref in (explicit, os.environ.get("PINBOX_SESSION")):
         if ref:
-            return lookup_session(conn, ref)
+            return find_session(conn, ref)
     for name, agent in (("CODEX_THREAD_ID", "codex"), ("HERMES_SESSION_ID", "hermes")):
         if os.environ.get(name):
-            return find_session(conn, agent, os.environ[name])
+            return find_session(conn, (agent, os.environ[name]))
     return None
 
 
@@ -1778,7 +1771,7 @@ def target_session(conn, pin):
     if is_remote(ref):
         return REMOTE
     if ref and ref.get("agent") in AGENTS and ref.get("key"):
-        session = find_session(conn, ref["agent"], ref["key"])
+        session = find_session(conn, (ref["agent"], ref["key"]))
         if session is None:
             # With no folder: an agent is resumed only where its own hook registered it,
             # never where a pin's binding (a page's, a teammate's) says.
@@ -1940,7 +1933,7 @@ def collect_mid_turn(store, agent, key):
     """What the Stop hook does: what arrived during the turn on pins still open. The
     rows become delivered, so the next Stop lets the agent stop (no hold loop)."""
     with store.write() as conn:
-        session = find_session(conn, agent, key)
+        session = find_session(conn, (agent, key))
         if session is None:
             return Arrivals(conn, [])
         conn.execute("UPDATE sessions SET last_seen_at = ? WHERE id = ?", (seen_now(conn), session["id"]))
@@ -1955,7 +1948,7 @@ def collect_mid_turn(store, agent, key):
 def peek_pending(store, agent, key):
     """Read-only: the open pins with something pending for the session."""
     with store.guard():
-        session = find_session(store.conn, agent, key)
+        session = find_session(store.conn, (agent, key))
         if session is None:
             return []
         arrivals = Arrivals(store.conn, pending_pulls(store.conn, session["id"])).only_open()
@@ -2554,7 +2547,7 @@ def claim_due(store, owner, limit=32):
         for row_id, adapter, attempts, session_id, seq, kind, at, raw in due_deliveries(conn, now, limit):
             if session_id in taken:
                 continue  # its session's earlier row goes first
-            session = get_session(conn, session_id)
+            session = find_session(conn, session_id)
             payload = json_loads(raw)
             pin = find_pin(conn, deliverable_pin(kind, payload))
             if session is None or pin is None:
@@ -2812,7 +2805,7 @@ def post_message(store, receiver_ref, text, sender=None):
         raise invalid("message is %d bytes; the limit is %d (16 KiB)" % (size, INBOX_MESSAGE_BYTES),
                       "put the long part in a file in the workspace and post its path")
     with store.write() as conn:
-        receiver = lookup_session(conn, receiver_ref)
+        receiver = find_session(conn, receiver_ref)
         if receiver is None:
             raise PinboxError("E_NOT_FOUND", "no session %s" % receiver_ref,
                               "run `pinbox agent ls` to see sessions (ses_… ids or agent:key)")
@@ -2985,7 +2978,7 @@ def wait_for_mail(borrow, session, timeout, cancelled=None):
                     return "cut"
                 try:
                     with store.guard():
-                        if get_session(store.conn, session["id"]) is None:
+                        if find_session(store.conn, session["id"]) is None:
                             return "gone"
                         if inbox_counts(store.conn, session["id"])[1]:
                             return "mail"
@@ -3032,7 +3025,7 @@ def ask_person(store, question, session=None, pin=None, page=None):
     if not question:
         raise invalid("the question must not be empty", 'quote it: pinbox ask 3 "which button do you mean?"')
     with store.write() as conn:
-        about = _read_pin(conn, pin) if pin is not None else None
+        about = find_pin(conn, pin, named=True) if pin is not None else None
         page = check_url(page, "--page") if page is not None else ((about or {}).get("target") or {}).get("url")
         if not page:
             raise invalid("%s has no page to ask on" % (about["id"] if about else "the question"),
@@ -3149,7 +3142,7 @@ def outgoing(conn, kind, payload):
         return data
     if kind == "thread.message":
         data = {k: v for k, v in payload.items() if k != "machine"}
-        found = get_session(conn, payload.get("session")) if payload.get("session") else None
+        found = find_session(conn, payload.get("session")) if payload.get("session") else None
         if found:
             data["agentSession"] = {"agent": found["agent"], "key": found["key"]}
         return data
@@ -3722,7 +3715,7 @@ def moved_elsewhere(conn, pin, before):
     skip_pin_deliveries(conn, pin["id"], unclaimed_only=False)
     if not before or is_remote(before):
         return
-    session = find_session(conn, before.get("agent"), before.get("key"))
+    session = find_session(conn, (before.get("agent"), before.get("key")))
     if session is None or not is_live(session) or session["agent"] not in PULL_AGENTS:
         return
     seq = record_event(conn, "pin.moved", iso_time(), ordered(pin, PIN_KEYS), routed=False)
@@ -4389,13 +4382,14 @@ def page_evidence(hub, fields, map_position):
 
 
 def r_get_pin(hub, request, pin_id):
-    with hub.store() as store:
-        return Response(200, get_pin(store, pin_id))
+    with hub.store() as store, store.guard():
+        return Response(200, find_pin(store.conn, pin_id, named=True))
 
 
 def r_get_thread(hub, request, pin_id):
     with hub.store() as store:
-        pin = get_pin(store, pin_id)
+        with store.guard():
+            pin = find_pin(store.conn, pin_id, named=True)
         return Response(200, get_thread(store, pin["id"]))
 
 
@@ -4518,7 +4512,7 @@ def r_register(hub, request):
 
 
 def _session_or_404(conn, session_id):
-    session = lookup_session(conn, session_id)
+    session = find_session(conn, session_id)
     if session is None:
         raise PinboxError("E_NOT_FOUND", "session not found: %s" % session_id)
     return session
@@ -4609,10 +4603,9 @@ def r_progress(hub, request):
     """GET /progress[?pin=ID]: where the pins stand (pin_progress), for the toolbar,
     which polls it while a thread or the drawer is open (deliveries make no events)."""
     wanted = request.query.get("pin")
-    with hub.store() as store:
-        pins = [get_pin(store, wanted)] if wanted else list_pins(store, None, None)
-        with store.guard():
-            states, sessions = pin_progress(store.conn, pins)
+    with hub.store() as store, store.guard():
+        pins = [find_pin(store.conn, wanted, named=True)] if wanted else list_pins(store, None, None)
+        states, sessions = pin_progress(store.conn, pins)
     return Response(200, {"pins": states, "sessions": sessions})
 
 
@@ -4674,16 +4667,10 @@ LOCAL_ROUTES = (r_register, r_end_session, r_inject, r_pending, r_inbox_post, r_
                 r_inbox_summary, r_open_proxy)
 
 
-# ============================================================================
-# Hub: the server shell
-# ============================================================================
-
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 # The demo page holds no secret: it reads the token from its own URL's fragment.
 PUBLIC_ROUTES = (("GET", "/health"), ("GET", "/toolbar.js"), ("GET", "/early.js"), ("GET", "/"), ("GET", "/demo"))
 TOKEN_IN_QUERY = ("/stream", "/ws")  # EventSource and WebSocket cannot send headers
-MAX_CONNECTIONS = 512
-HEAD_DEADLINE_S = 30.0  # to send a request's line, headers and body (an idle kept-alive one: as long)
 
 
 def host_is_loopback(value):
@@ -4693,330 +4680,227 @@ def host_is_loopback(value):
     return re.fullmatch(r"(?i)(https?://)?(127\.0\.0\.1|localhost|\[::1\])(:[0-9]{1,5})?", value or "") is not None
 
 
-class Hub:
-    """One project's hub: its store (a pool of connections), token, and the signal
-    that wakes open streams when an event is appended (by this process or any other)."""
+# ============================================================================
+# Hub: streams (server-sent events and the WebSocket)
+# ============================================================================
 
-    def __init__(self, root, directory, token):
-        import collections
+def serve_stream(handler, hub, query):
+    """Server-Sent Events: every event after `after`, then each new one as it lands."""
+    try:
+        after = int(query.get("after") or 0)
+    except ValueError:
+        after = 0
+    handler.send_response(200)
+    handler.send_header("Content-Type", "text/event-stream")
+    handler.send_header("Cache-Control", "no-store")
+    for name, value in handler.cors:
+        handler.send_header(name, value)
+    handler.end_headers()
+    handler.close_connection = True
+    handler.connection.settimeout(None)
+    hub.count("streams", 1)
+    sock = handler.connection
+    try:
+        # Catching up is this thread's work; once caught up, the hub's broadcast writes.
+        wait = 0
+        while not hub.stopping.is_set():
+            events = hub.wait_for_events(after, wait)
+            if events:
+                handler.wfile.write(b"".join(sse_frame(event) for event in events))
+                handler.wfile.flush()
+                after, wait = events[-1]["seq"], 0
+            elif hub.listen(sock, after):
+                while sock.recv(4096):  # a stream's client sends nothing more: this waits for its end
+                    pass
+                break
+            else:
+                wait = 0.05  # what landed is not in the tail yet: look again shortly
+    except (OSError, ValueError):
+        pass  # the page went away
+    finally:
+        with hub.cond:
+            hub.listeners.pop(sock, None)
+        hub.count("streams", -1)
+
+
+def sse_frame(event):
+    return ("id: %d\ndata: %s\n\n" % (event["seq"], dumps_compact(event))).encode("utf-8")
+
+
+class WebSocket:
+    """Just enough RFC 6455 for the original toolbar's protocol: text frames, ping/pong,
+    close with a code; client frames over 64 KiB close the socket."""
+    MAX_FRAME = 64 * 1024
+
+    def __init__(self, sock, rfile):
         import threading
-        import secrets
-        # Two tokens: `token` is the page's (every page with the toolbar holds it);
-        # `local_token`, new each start and only in the 0600 hub.json, is for the local
-        # processes that may register and end sessions or lead to running an agent.
-        self.root, self.directory, self.token = root, directory, token
-        self.local_token = secrets.token_urlsafe(32)
-        self.cond = threading.Condition()
-        # The latest events, read once for every open page: with hundreds of streams a
-        # write costs one query, not one per stream. It holds every event after tail_from.
-        self.tail = collections.deque(maxlen=1000)
-        self.tail_from = None
-        self._reading = threading.Lock()
-        # Streams that have caught up (socket -> the last seq it was sent): new events
-        # are written to them here, instead of waking a thread per page (hundreds of
-        # wake-ups per write would starve every other request of the interpreter).
-        self.listeners = {}
-        self.stopping = threading.Event()  # set once: every thread of this hub winds down
-        self.pushes = Pushes(os.path.join(state_dir(root), "agents"))
-        self.activity = Activity()  # every server of the hub (its API, its page proxies) touches it
-        self.port = None
-        self.proxies = {}  # (scheme, host, port) of an app -> the page proxy serving it
-        self._heard = time.monotonic()
-        self._poke = threading.Event()
-        self.last_seq = 0
-        self.streams = 0
-        self.toolbars = 0
-        self.pushing = 0
-        self._pool = []
-        self._lock = threading.Lock()
-        self._stamp = None
-        self._person = None
-        # Answers of 400 and up that a page proxy carried, by page (app address -> the
-        # last 20): a pin made on that page names them, beside what the page saw.
-        self.page_failures = collections.OrderedDict()
+        self.sock, self.rfile = sock, rfile
+        self.send_lock = threading.Lock()
+        self.closed = False
 
-    def store(self):
-        """`with hub.store() as store:` — a connection from the pool, for one request."""
-        return _Borrowed(self)
-
-    def open_proxy(self, upstream):
-        """The port of the page proxy for an app, started the first time it is asked for
-        (on any free port, kept for the next hubs: see restore_proxies)."""
-        with self._lock:
-            server = self.proxies.get(upstream)
-            if server is None:
-                server = self.proxies[upstream] = start_proxy(self, upstream, 0)
-                ports = proxy_ports(self.root)
-                ports[origin_of(*upstream)] = server.server_address[1]
-                write_file(proxy_ports_path(self.root), dumps_compact(ports) + "\n", private=True)
-        return server.server_address[1]
-
-    def app_origin(self, url):
-        """The app a page proxy of this project serves, for an address on that proxy
-        (else None): pins name the app, never the proxy's port."""
-        from urllib.parse import urlsplit
-        try:
-            parts = urlsplit(url)
-            port = parts.port
-        except ValueError:
-            return None
-        if parts.scheme != "http" or parts.hostname not in ("localhost", "127.0.0.1", "::1"):
-            return None
-        return next((origin for origin, kept in proxy_ports(self.root).items() if kept == port), None)
-
-    def app_address(self, url):
-        """An address on a page proxy of this project as the app's own address; any
-        other address as it is."""
-        app = self.app_origin(url) if isinstance(url, str) else None
-        if app is None:
-            return url
-        address = url.split("://", 1)[1]
-        rest = address[len(address.split("/")[0].split("?")[0].split("#")[0]):]
-        return app + (rest if rest.startswith("/") else "/" + rest)
-
-    def app_target(self, target):
-        """A pin's target with its page named by the app's address, when it was made
-        through a page proxy."""
-        url = self.app_address(target.get("url"))
-        return target if url == target.get("url") else dict(target, url=url)
-
-    def app_for(self, url):
-        """(app, path) for an address of an app this project opened with `pinbox open`
-        (at its page proxy or at its own origin), else None: the only places the hub
-        fetches a module or a source map from."""
-        from urllib.parse import urlsplit
-        try:
-            parts = urlsplit(url)
-            origin = parts.scheme + "://" + parts.netloc
-        except ValueError:
-            return None
-        app = self.app_origin(url) or (origin if origin in proxy_ports(self.root) else None)
-        return (app, (parts.path or "/") + ("?" + parts.query if parts.query else "")) if app else None
-
-    def note_failure(self, page, entry):
-        """A failed answer a page proxy carried for `page` (the app's address)."""
-        with self._lock:
-            kept = self.page_failures.pop(page, [])[-19:] + [entry]
-            self.page_failures[page] = kept
-            while len(self.page_failures) > 100:
-                self.page_failures.popitem(last=False)
-
-    def failures_on(self, page):
-        with self._lock:
-            return list(self.page_failures.get(page, ()))
-
-    def rename_proxied_pins(self):
-        """Pins stored with a page proxy's address (before pins named their app) get the
-        app's, once: as they are shown, copied, synced and given to agents. Read first,
-        written only when there is one (this runs at every start)."""
-        if not proxy_ports(self.root):
-            return
-        with self.store() as store:
-            with store.guard():
-                rows = store.conn.execute("SELECT json FROM pins WHERE json_extract(json, '$.target.url') LIKE "
-                                          "'http://localhost:%' OR json_extract(json, '$.target.url') LIKE "
-                                          "'http://127.0.0.1:%'").fetchall()
-            renamed = []
-            for pin in map(json_loads, (r[0] for r in rows)):
-                target = self.app_target(pin["target"])
-                if target is not pin["target"]:
-                    renamed.append(dict(pin, target=target))
-            if renamed:
-                with store.write() as conn:
-                    for pin in renamed:
-                        _save_pin(conn, pin)
-
-    def restore_proxies(self):
-        """The page proxies of earlier hubs, on their ports again: a tab left open on one,
-        and each pin made there, keep their address when the hub restarts."""
-        for origin, port in proxy_ports(self.root).items():
-            try:
-                upstream = parse_upstream(origin)
-                with self._lock:
-                    if upstream not in self.proxies:
-                        self.proxies[upstream] = start_proxy(self, upstream, port)
-            except (PinboxError, OSError):
-                continue  # its port is taken now: `pinbox open` gives it another, kept from then on
-
-    def close_proxies(self):
-        for server in list(self.proxies.values()):
-            server.shutdown()
-            server.server_close()
-
-    def close(self):
-        with self._lock:
-            for store in self._pool:
-                store.close()
-            self._pool = []
-
-    def person(self):
-        """Who works here, as git knows them (read once): the author of the pins their
-        pages send."""
-        if self._person is None:
-            self._person = git_author(self.root)
-        return self._person
-
-    def git_stamp(self):
-        """The branch and commit for a new pin, looked up at most once a second: one git
-        process per pin would cap the hub at a few hundred pins a second."""
-        now = time.monotonic()
-        if self._stamp is None or now - self._stamp[0] > 1.0:
-            self._stamp = (now, git_stamp(self.root))
-        return dict(self._stamp[1])
-
-    def count(self, name, delta):
-        with self._lock:
-            setattr(self, name, getattr(self, name) + delta)
-
-    def caller_session(self, store, request):
-        ref = request.headers.get("x-pinbox-session")
-        if not ref:
-            return None
-        with store.guard():
-            session = lookup_session(store.conn, ref)
-        return session["id"] if session else None
-
-    def changed(self):
-        """Something was written: with a page open, the watcher reads the new events
-        now (one read for a burst of writes, none in the writer's request); every waiter
-        wakes."""
-        if self.streams or self.toolbars:
-            self._poke.set()
-        with self.cond:
-            self.cond.notify_all()
-
-    def read_tail(self):
-        """Appends the events written since the last look to the tail; whether there were."""
-        with self._reading:
-            watched = self.streams or self.toolbars
-            try:
-                with self.store() as store:
-                    seq = last_seq(store.conn)
-                    fresh = events_after(store, self.last_seq, 1000) if watched and seq > self.last_seq else []
-            except (PinboxError, sqlite3.Error):
-                return False
-            with self.cond:
-                if self.tail_from is None or seq < self.last_seq or not watched:
-                    # The start, a store replaced, or no page open: the tail starts afresh here.
-                    moved = seq != self.last_seq
-                    self.tail.clear()
-                    self.tail_from = self.last_seq = seq
-                    return moved
-                if fresh:
-                    self.tail.extend(fresh)
-                    self.last_seq = fresh[-1]["seq"]
-                    if len(self.tail) == self.tail.maxlen:
-                        self.tail_from = self.tail[0]["seq"] - 1
-                    frames = [(event["seq"], sse_frame(event)) for event in fresh]
-                    for sock, sent in list(self.listeners.items()):
-                        # A stream that caught up from the store may be ahead of the tail.
-                        self.send_to(sock, b"".join(frame for seq, frame in frames if seq > sent), frames[-1][0])
-            return bool(fresh)
-
-    def listen(self, sock, after):
-        """Hands a stream that has sent everything up to `after` to the broadcast;
-        False when more has landed meanwhile (the stream sends that first)."""
-        with self.cond:
-            if self.tail_from is None or after < self.last_seq or self.stopping.is_set():
-                return False
-            self.listeners[sock] = after
-            return True
-
-    def send_to(self, sock, data, seq):
-        """Writes without waiting: a page that cannot take a few bytes into its socket
-        buffer is gone, and is hung up on."""
-        import socket
-        self._heard = time.monotonic()
-        try:
-            if not data or sock.send(data, socket.MSG_DONTWAIT) == len(data):
-                self.listeners[sock] = max(seq, self.listeners[sock])
+    def send(self, opcode, payload=b""):
+        import struct
+        if isinstance(payload, str):
+            payload = payload.encode("utf-8")
+        n = len(payload)
+        head = bytes([0x80 | opcode]) + (bytes([n]) if n < 126 else
+                                         struct.pack("!BH", 126, n) if n < 65536 else struct.pack("!BQ", 127, n))
+        with self.send_lock:
+            if self.closed and opcode != 0x8:
                 return
-        except OSError:
-            pass
-        self.hang_up(sock)
+            self.sock.sendall(head + payload)
 
-    def hang_up(self, sock):
-        """Ends a stream: its thread, blocked reading the socket, sees the end and exits."""
-        import socket
-        self.listeners.pop(sock, None)
+    def send_json(self, value):
+        self.send(0x1, dumps_compact(value))
+
+    def close(self, code, reason=""):
+        import struct
         try:
-            sock.shutdown(socket.SHUT_RDWR)
+            self.send(0x8, struct.pack("!H", code) + reason.encode("utf-8"))
         except OSError:
             pass
+        self.closed = True
 
-    def watch(self, stop):
-        """Reads new events into the tail when poked by a write here, and every 50 ms
-        for the writes of other processes (the CLI, hooks, git); wakes the waiters."""
-        while not stop.is_set():
-            if self._poke.wait(0.05):
-                stop.wait(0.005)  # the rest of a burst of writes is read with it
-            self._poke.clear()
-            try:
-                fresh = self.read_tail()
-            except Exception:  # noqa: BLE001 — this thread must outlive any one bad row
-                fresh = False
-            if fresh:
-                with self.cond:
-                    self.cond.notify_all()
-            elif time.monotonic() - self._heard > 15:  # proxies and browsers drop silent streams
-                with self.cond:
-                    for sock in list(self.listeners):
-                        self.send_to(sock, b": keepalive\n\n", 0)
-        with self.cond:
-            for sock in list(self.listeners):
-                self.hang_up(sock)
-
-    def wait_for_events(self, after, timeout):
-        """Events after `after`, waiting up to `timeout` seconds for one to appear."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            with self.cond:
-                if self.tail_from is not None and after >= self.tail_from:
-                    events = []
-                    for event in reversed(self.tail):  # from the newest: a page is seldom far behind
-                        if event["seq"] <= after:
-                            break
-                        events.append(event)
-                    events = events[::-1][:200]
-                    if events or left <= 0:
-                        return events
-                    self.cond.wait(min(left, 1.0))
-                    continue
-            with self.store() as store:  # further back than the tail: a page catching up
-                events = events_after(store, after, 200)
-            if events or left <= 0:
-                return events
-            with self.cond:
-                self.cond.wait(min(left, 1.0))
+    def receive(self):
+        """(opcode, payload) of the next client frame; None when the peer is gone."""
+        import struct
+        head = self.rfile.read(2)
+        if len(head) < 2:
+            return None
+        opcode, masked, n = head[0] & 0x0F, head[1] & 0x80, head[1] & 0x7F
+        if n == 126:
+            n = struct.unpack("!H", self.rfile.read(2))[0]
+        elif n == 127:
+            n = struct.unpack("!Q", self.rfile.read(8))[0]
+        if n > self.MAX_FRAME or not masked:
+            self.close(1009 if masked else 1002, "frame refused")
+            return None
+        mask = self.rfile.read(4)
+        data = bytearray(self.rfile.read(n))
+        if len(data) < n or len(mask) < 4:
+            return None
+        for i in range(n):
+            data[i] ^= mask[i % 4]
+        return opcode, bytes(data)
 
 
-class _Borrowed:
-    def __init__(self, hub):
-        self.hub = hub
+def event_frame(event):
+    return {"type": "event", "seq": event["seq"], "eventType": event["type"], "at": event["at"],
+            "payload": event["payload"]}
 
-    def __enter__(self):
-        with self.hub._lock:
-            self.store = self.hub._pool.pop() if self.hub._pool else None
-        if self.store is not None and self.store.identity != file_identity(self.store.path):
-            # The database was deleted or replaced under the hub: a connection to the old
-            # file would write where nobody reads.
-            self.store.close()
-            self.store = None
-        if self.store is None:
-            self.store = Store(self.hub.directory, make_folder=False)
-        return self.store
 
-    def __exit__(self, *exc):
-        if self.store.conn is not None and self.store.conn.in_transaction:
-            self.store.conn.execute("ROLLBACK")
-        with self.hub._lock:
-            keep = len(self.hub._pool) < 16  # a burst of requests leaves no pile of open connections
-            if keep:
-                self.hub._pool.append(self.store)
-        if not keep:
-            self.store.close()
-        return False
+def websocket_accept(key):
+    """The Sec-WebSocket-Accept answer to a client's Sec-WebSocket-Key (RFC 6455 §4.2.2)."""
+    import base64
+    import hashlib
+    return base64.b64encode(hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest()).decode()
+
+
+def parse_hello(data):
+    """(consumerId, lastSeq) of the original toolbar's hello frame; None for anything
+    else (not UTF-8, not JSON, not a hello, a field missing or of the wrong type)."""
+    try:
+        message = json_loads(data.decode("utf-8"))
+    except ValueError:
+        return None
+    if (isinstance(message, dict) and message.get("type") == "hello"
+            and isinstance(message.get("protocol"), int) and message["protocol"] >= 1
+            and isinstance(message.get("consumerId"), str) and message["consumerId"]
+            and isinstance(message.get("lastSeq"), int) and message["lastSeq"] >= 0):
+        return message["consumerId"], message["lastSeq"]
+    return None
+
+
+def read_toolbar_frames(ws, hub, hello, state):
+    """The socket's reading side: pings answered, one hello taken (into `state`, then
+    `hello` is set), anything after it answered with an error frame."""
+    while not ws.closed:
+        try:
+            frame = ws.receive()
+        except Exception:  # noqa: BLE001 — a short or garbled frame ends this socket, never the hub
+            frame = None
+        if frame is None:
+            break
+        opcode, data = frame
+        if opcode == 0x8:
+            break
+        if opcode == 0x9:
+            ws.send(0xA, data)
+            continue
+        if opcode != 0x1:
+            continue
+        if hello.is_set():
+            ws.send_json({"type": "error", "code": "E_WS_PROTOCOL",
+                          "message": "unexpected client frame: no client messages exist after hello"})
+            continue
+        parsed = parse_hello(data)
+        if parsed is None:
+            ws.send_json({"type": "error", "code": "E_WS_PROTOCOL", "message": "malformed hello"})
+            ws.close(4400, "malformed hello")
+            break
+        state["consumer"], state["after"] = parsed
+        hello.set()
+    ws.closed = True
+    hub.changed()
+
+
+def serve_websocket(handler, hub, query):
+    """The original toolbar's live protocol (version 1): hello, catch-up, event frames;
+    4401 for a bad token, 4400 for a bad or missing hello."""
+    import hmac
+    import threading
+    key = handler.headers.get("Sec-WebSocket-Key")
+    if (handler.headers.get("Upgrade") or "").lower() != "websocket" or not key:
+        return handler.refuse(400, invalid("websocket upgrade failed"))
+    offered = [p.strip() for p in (handler.headers.get("Sec-WebSocket-Protocol") or "").split(",") if p.strip()]
+    chosen = next((p for p in offered if p.startswith("pinbox.token.")), None)
+    token = chosen[len("pinbox.token."):] if chosen else query.get("token")
+    handler.send_response(101)
+    handler.send_header("Upgrade", "websocket")
+    handler.send_header("Connection", "Upgrade")
+    handler.send_header("Sec-WebSocket-Accept", websocket_accept(key))
+    if chosen:
+        handler.send_header("Sec-WebSocket-Protocol", chosen)  # browsers drop a socket without the echo
+    handler.end_headers()
+    handler.close_connection = True
+    handler.connection.settimeout(None)  # a toolbar sends nothing after its hello, for hours
+    ws = WebSocket(handler.connection, handler.rfile)
+    if not token or not hmac.compare_digest(token.encode(), hub.token.encode()):
+        return ws.close(4401, "missing or invalid token")
+    hello = threading.Event()
+    state = {"after": None}
+    threading.Thread(target=read_toolbar_frames, args=(ws, hub, hello, state), daemon=True).start()
+    if not hello.wait(5.0):
+        if not ws.closed:
+            ws.close(4400, "no hello within deadline")
+        return
+    hub.count("toolbars", 1)
+    try:
+        with hub.store() as store:
+            last = last_seq(store.conn)
+            backlog = events_after(store, state["after"], 500)
+            with store.write() as conn:
+                save_cursor(conn, state["consumer"], state["after"])
+        ws.send_json({"type": "catch-up", "protocol": 1, "minProtocol": 1, "lastSeq": last,
+                      "events": [event_frame(e) for e in backlog]})
+        after = backlog[-1]["seq"] if backlog else state["after"]
+        while not ws.closed and not hub.stopping.is_set():
+            for event in hub.wait_for_events(after, 1.0):
+                ws.send_json(event_frame(event))
+                after = event["seq"]
+    except (OSError, PinboxError):
+        pass
+    finally:
+        hub.count("toolbars", -1)
+        ws.closed = True
+
+
+# ============================================================================
+# Hub: the HTTP handler
+# ============================================================================
+
+MAX_CONNECTIONS = 512
+HEAD_DEADLINE_S = 30.0  # to send a request's line, headers and body (an idle kept-alive one: as long)
 
 
 # The server's classes add pinbox's behaviour to http.server's, which they are mixed
@@ -5238,400 +5122,6 @@ class HubHandler(ReadsWithDeadline):
             self.close_connection = True
             return None  # the client went away mid-body
         return body
-
-
-def serve_stream(handler, hub, query):
-    """Server-Sent Events: every event after `after`, then each new one as it lands."""
-    try:
-        after = int(query.get("after") or 0)
-    except ValueError:
-        after = 0
-    handler.send_response(200)
-    handler.send_header("Content-Type", "text/event-stream")
-    handler.send_header("Cache-Control", "no-store")
-    for name, value in handler.cors:
-        handler.send_header(name, value)
-    handler.end_headers()
-    handler.close_connection = True
-    handler.connection.settimeout(None)
-    hub.count("streams", 1)
-    sock = handler.connection
-    try:
-        # Catching up is this thread's work; once caught up, the hub's broadcast writes.
-        wait = 0
-        while not hub.stopping.is_set():
-            events = hub.wait_for_events(after, wait)
-            if events:
-                handler.wfile.write(b"".join(sse_frame(event) for event in events))
-                handler.wfile.flush()
-                after, wait = events[-1]["seq"], 0
-            elif hub.listen(sock, after):
-                while sock.recv(4096):  # a stream's client sends nothing more: this waits for its end
-                    pass
-                break
-            else:
-                wait = 0.05  # what landed is not in the tail yet: look again shortly
-    except (OSError, ValueError):
-        pass  # the page went away
-    finally:
-        with hub.cond:
-            hub.listeners.pop(sock, None)
-        hub.count("streams", -1)
-
-
-def sse_frame(event):
-    return ("id: %d\ndata: %s\n\n" % (event["seq"], dumps_compact(event))).encode("utf-8")
-
-
-class WebSocket:
-    """Just enough RFC 6455 for the original toolbar's protocol: text frames, ping/pong,
-    close with a code; client frames over 64 KiB close the socket."""
-    MAX_FRAME = 64 * 1024
-
-    def __init__(self, sock, rfile):
-        import threading
-        self.sock, self.rfile = sock, rfile
-        self.send_lock = threading.Lock()
-        self.closed = False
-
-    def send(self, opcode, payload=b""):
-        import struct
-        if isinstance(payload, str):
-            payload = payload.encode("utf-8")
-        n = len(payload)
-        head = bytes([0x80 | opcode]) + (bytes([n]) if n < 126 else
-                                         struct.pack("!BH", 126, n) if n < 65536 else struct.pack("!BQ", 127, n))
-        with self.send_lock:
-            if self.closed and opcode != 0x8:
-                return
-            self.sock.sendall(head + payload)
-
-    def send_json(self, value):
-        self.send(0x1, dumps_compact(value))
-
-    def close(self, code, reason=""):
-        import struct
-        try:
-            self.send(0x8, struct.pack("!H", code) + reason.encode("utf-8"))
-        except OSError:
-            pass
-        self.closed = True
-
-    def receive(self):
-        """(opcode, payload) of the next client frame; None when the peer is gone."""
-        import struct
-        head = self.rfile.read(2)
-        if len(head) < 2:
-            return None
-        opcode, masked, n = head[0] & 0x0F, head[1] & 0x80, head[1] & 0x7F
-        if n == 126:
-            n = struct.unpack("!H", self.rfile.read(2))[0]
-        elif n == 127:
-            n = struct.unpack("!Q", self.rfile.read(8))[0]
-        if n > self.MAX_FRAME or not masked:
-            self.close(1009 if masked else 1002, "frame refused")
-            return None
-        mask = self.rfile.read(4)
-        data = bytearray(self.rfile.read(n))
-        if len(data) < n or len(mask) < 4:
-            return None
-        for i in range(n):
-            data[i] ^= mask[i % 4]
-        return opcode, bytes(data)
-
-
-def event_frame(event):
-    return {"type": "event", "seq": event["seq"], "eventType": event["type"], "at": event["at"],
-            "payload": event["payload"]}
-
-
-def websocket_accept(key):
-    """The Sec-WebSocket-Accept answer to a client's Sec-WebSocket-Key (RFC 6455 §4.2.2)."""
-    import base64
-    import hashlib
-    return base64.b64encode(hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest()).decode()
-
-
-def parse_hello(data):
-    """(consumerId, lastSeq) of the original toolbar's hello frame; None for anything
-    else (not UTF-8, not JSON, not a hello, a field missing or of the wrong type)."""
-    try:
-        message = json_loads(data.decode("utf-8"))
-    except ValueError:
-        return None
-    if (isinstance(message, dict) and message.get("type") == "hello"
-            and isinstance(message.get("protocol"), int) and message["protocol"] >= 1
-            and isinstance(message.get("consumerId"), str) and message["consumerId"]
-            and isinstance(message.get("lastSeq"), int) and message["lastSeq"] >= 0):
-        return message["consumerId"], message["lastSeq"]
-    return None
-
-
-def read_toolbar_frames(ws, hub, hello, state):
-    """The socket's reading side: pings answered, one hello taken (into `state`, then
-    `hello` is set), anything after it answered with an error frame."""
-    while not ws.closed:
-        try:
-            frame = ws.receive()
-        except Exception:  # noqa: BLE001 — a short or garbled frame ends this socket, never the hub
-            frame = None
-        if frame is None:
-            break
-        opcode, data = frame
-        if opcode == 0x8:
-            break
-        if opcode == 0x9:
-            ws.send(0xA, data)
-            continue
-        if opcode != 0x1:
-            continue
-        if hello.is_set():
-            ws.send_json({"type": "error", "code": "E_WS_PROTOCOL",
-                          "message": "unexpected client frame: no client messages exist after hello"})
-            continue
-        parsed = parse_hello(data)
-        if parsed is None:
-            ws.send_json({"type": "error", "code": "E_WS_PROTOCOL", "message": "malformed hello"})
-            ws.close(4400, "malformed hello")
-            break
-        state["consumer"], state["after"] = parsed
-        hello.set()
-    ws.closed = True
-    hub.changed()
-
-
-def serve_websocket(handler, hub, query):
-    """The original toolbar's live protocol (version 1): hello, catch-up, event frames;
-    4401 for a bad token, 4400 for a bad or missing hello."""
-    import hmac
-    import threading
-    key = handler.headers.get("Sec-WebSocket-Key")
-    if (handler.headers.get("Upgrade") or "").lower() != "websocket" or not key:
-        return handler.refuse(400, invalid("websocket upgrade failed"))
-    offered = [p.strip() for p in (handler.headers.get("Sec-WebSocket-Protocol") or "").split(",") if p.strip()]
-    chosen = next((p for p in offered if p.startswith("pinbox.token.")), None)
-    token = chosen[len("pinbox.token."):] if chosen else query.get("token")
-    handler.send_response(101)
-    handler.send_header("Upgrade", "websocket")
-    handler.send_header("Connection", "Upgrade")
-    handler.send_header("Sec-WebSocket-Accept", websocket_accept(key))
-    if chosen:
-        handler.send_header("Sec-WebSocket-Protocol", chosen)  # browsers drop a socket without the echo
-    handler.end_headers()
-    handler.close_connection = True
-    handler.connection.settimeout(None)  # a toolbar sends nothing after its hello, for hours
-    ws = WebSocket(handler.connection, handler.rfile)
-    if not token or not hmac.compare_digest(token.encode(), hub.token.encode()):
-        return ws.close(4401, "missing or invalid token")
-    hello = threading.Event()
-    state = {"after": None}
-    threading.Thread(target=read_toolbar_frames, args=(ws, hub, hello, state), daemon=True).start()
-    if not hello.wait(5.0):
-        if not ws.closed:
-            ws.close(4400, "no hello within deadline")
-        return
-    hub.count("toolbars", 1)
-    try:
-        with hub.store() as store:
-            last = last_seq(store.conn)
-            backlog = events_after(store, state["after"], 500)
-            with store.write() as conn:
-                save_cursor(conn, state["consumer"], state["after"])
-        ws.send_json({"type": "catch-up", "protocol": 1, "minProtocol": 1, "lastSeq": last,
-                      "events": [event_frame(e) for e in backlog]})
-        after = backlog[-1]["seq"] if backlog else state["after"]
-        while not ws.closed and not hub.stopping.is_set():
-            for event in hub.wait_for_events(after, 1.0):
-                ws.send_json(event_frame(event))
-                after = event["seq"]
-    except (OSError, PinboxError):
-        pass
-    finally:
-        hub.count("toolbars", -1)
-        ws.closed = True
-
-
-class Activity:
-    """When the hub last had a request: it exits after PINBOX_IDLE_MS without one, unless
-    a page still has a stream or socket open."""
-
-    def __init__(self):
-        self.last = time.monotonic()
-
-    def touch(self):
-        self.last = time.monotonic()
-
-    def idle_for(self):
-        return time.monotonic() - self.last
-
-
-def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
-    """Serves the project's hub until it has been idle PINBOX_IDLE_MS, is told to stop
-    (SIGTERM, SIGINT) or its project folder is gone; `ready(port, token)` is called once
-    it listens. Returns ("stopped", None), or ("already", hub.json of the hub that holds
-    the project's lock, or None while that one is starting)."""
-    import json
-    import fcntl
-    import http.server
-    import threading
-    state, hub_json, token_path, port_path, lock_path, server_json = hub_files(root)
-    os.makedirs(state, mode=0o700, exist_ok=True)
-    lock = open(lock_path, "a")  # one hub per project: the lock is held while it serves
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # novermin (flags, not a type union)
-    except OSError:
-        lock.close()
-        return "already", wait_for_hub(root, 3.0)
-    server = hub = None
-    try:
-        hub = open_hub(root, token_path, ephemeral_inbox)
-        server_class = type("Server", (HubServer, http.server.ThreadingHTTPServer), {})
-        handler_class = type("Handler", (HubHandler, http.server.BaseHTTPRequestHandler), {})
-        wanted = port if port is not None else last_port(port_path)
-        try:
-            server = server_class(("127.0.0.1", wanted or 0), handler_class, hub)
-        except OSError:
-            server = server_class(("127.0.0.1", 0), handler_class, hub)  # taken: any free port
-        bound = hub.port = server.server_address[1]
-        # Before hub.json exists: a signal sent as soon as it appears must still clean up.
-        handle_stop_signals(hub, server)
-        hub.restore_proxies()
-        try:
-            hub.rename_proxied_pins()
-        except PinboxError:
-            pass  # the store is busy now: the next hub renames them
-        write_file(port_path, "%d\n" % bound, private=True)
-        write_file(hub_json, json.dumps({"pid": os.getpid(), "port": bound, "token": hub.token,
-                                         "localToken": hub.local_token, "project": root, "version": VERSION},
-                                        indent=2) + "\n", private=True)
-        write_file(server_json, json.dumps({"port": bound}, indent=2) + "\n")
-        owner = "hub-%d-%s" % (os.getpid(), new_id("ses")[4:])
-        for target, args in ((hub.watch, (hub.stopping,)), (delivery_worker, (hub, hub.stopping, owner)),
-                             (watch_idle, (hub, server)), (sync_worker, (hub, hub.stopping))):
-            threading.Thread(target=target, args=args, daemon=True).start()
-        if ready:
-            ready(bound, hub.token)
-        server.serve_forever(poll_interval=0.2)
-        finish_requests(hub, server, owner)
-    finally:
-        current = read_hub_json(hub_json)
-        if current and current["pid"] == os.getpid():
-            for path in (hub_json, server_json):
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-        if server is not None:
-            server.server_close()
-        if hub is not None:
-            hub.close_proxies()
-            hub.close()
-        lock.close()
-    return "stopped", None
-
-
-def open_hub(root, token_path, ephemeral_inbox):
-    """The Hub for a project, its store made (and migrated) before the first request."""
-    directory = store_dir(root)
-    store = Store(directory)
-    try:
-        if ephemeral_inbox:
-            with store.write() as conn:
-                clear_inbox(conn)
-    finally:
-        store.close()
-    hub = Hub(root, directory, project_token(token_path))
-    hub.read_tail()  # where the tail starts: a stream can be handed to the broadcast at once
-    return hub
-
-
-def proxy_ports_path(root):
-    return os.path.join(state_dir(root), "proxies.json")
-
-
-def proxy_ports(root):
-    """{app origin: port} of the page proxies this project's hubs have served."""
-    try:
-        with open(proxy_ports_path(root), encoding="utf-8") as handle:
-            data = json_loads(handle.read())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict):
-        return {}
-    return {origin: port for origin, port in data.items()
-            if isinstance(origin, str) and type(port) is int and 0 < port < 65536}
-
-
-def last_port(port_path):
-    """The port the project's last hub had: a script tag pasted into a page keeps working."""
-    try:
-        with open(port_path) as handle:
-            return int(handle.read().strip())
-    except (OSError, ValueError):
-        return 0
-
-
-def stop_hub(hub, server):
-    """Tells every thread to stop and ends serve_forever, whatever fails on the way (the
-    project folder being deleted as the signal arrives, say): a hub that misses the
-    shutdown would hold its port for ever, deaf to every later signal."""
-    hub.stopping.set()
-    try:
-        hub.changed()
-        with hub.store() as store:
-            wake_waiters(store)  # every parked inbox reader: the wait is cut short
-    except Exception as exc:  # noqa: BLE001 — the shutdown below must happen
-        write_err("pinbox: stopping the hub: %s\n" % exc)
-    finally:
-        server.shutdown()
-
-
-def handle_stop_signals(hub, server):
-    """SIGTERM and SIGINT stop the hub. A handler takes no locks (the main thread may
-    hold them): a thread does the work. A second signal, while the first one's teardown
-    hangs (on a store locked by another process, say), ends the process where it stands."""
-    import signal
-    import threading
-
-    def on_signal(signum, frame):
-        # The next signal takes the default action, which no hung call in any thread
-        # can hold up (a Python handler would wait for the main thread).
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        if hub.stopping.is_set():  # already stopping (idle): this signal ends it now
-            os.kill(os.getpid(), signum)
-            return
-        hub.stopping.set()
-        threading.Thread(target=stop_hub, args=(hub, server), daemon=True).start()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-
-
-def watch_idle(hub, server):
-    """Stops the hub after PINBOX_IDLE_MS without a request (a page with a stream or
-    socket open, or a push under way, counts as one), or once its project folder is gone
-    (a `git worktree remove`, a test's temporary folder)."""
-    idle = env_number("PINBOX_IDLE_MS", 1800000) / 1000.0
-    while not hub.stopping.wait(0.2):
-        if not os.path.isdir(hub.root):
-            stop_hub(hub, server)
-        elif hub.streams or hub.toolbars or hub.pushing or hub.pushes.running:
-            hub.activity.touch()
-        elif hub.activity.idle_for() > idle:
-            stop_hub(hub, server)
-
-
-def finish_requests(hub, server, owner):
-    """After serve_forever: requests in flight (a cut-short wait, say) get their answer,
-    and pushes still running are left for the next hub."""
-    deadline = time.monotonic() + 2
-    while server.active and time.monotonic() < deadline:
-        time.sleep(0.02)
-    try:
-        release_leases(hub, owner)
-    except Exception as exc:  # noqa: BLE001 — shutting down goes on; the next hub releases them anyway
-        write_err("pinbox: could not release deliveries in flight: %s\n" % exc)
 
 
 # ============================================================================
@@ -6144,6 +5634,368 @@ def start_proxy(hub, upstream, port):
 
 
 # ============================================================================
+# Hub: its state
+# ============================================================================
+
+class Hub:
+    """One project's hub: its store (a pool of connections), token, and the signal
+    that wakes open streams when an event is appended (by this process or any other)."""
+
+    def __init__(self, root, directory, token):
+        import collections
+        import threading
+        import secrets
+        # Two tokens: `token` is the page's (every page with the toolbar holds it);
+        # `local_token`, new each start and only in the 0600 hub.json, is for the local
+        # processes that may register and end sessions or lead to running an agent.
+        self.root, self.directory, self.token = root, directory, token
+        self.local_token = secrets.token_urlsafe(32)
+        self.cond = threading.Condition()
+        # The latest events, read once for every open page: with hundreds of streams a
+        # write costs one query, not one per stream. It holds every event after tail_from.
+        self.tail = collections.deque(maxlen=1000)
+        self.tail_from = None
+        self._reading = threading.Lock()
+        # Streams that have caught up (socket -> the last seq it was sent): new events
+        # are written to them here, instead of waking a thread per page (hundreds of
+        # wake-ups per write would starve every other request of the interpreter).
+        self.listeners = {}
+        self.stopping = threading.Event()  # set once: every thread of this hub winds down
+        self.pushes = Pushes(os.path.join(state_dir(root), "agents"))
+        self.activity = Activity()  # every server of the hub (its API, its page proxies) touches it
+        self.port = None
+        self.proxies = {}  # (scheme, host, port) of an app -> the page proxy serving it
+        self._heard = time.monotonic()
+        self._poke = threading.Event()
+        self.last_seq = 0
+        self.streams = 0
+        self.toolbars = 0
+        self.pushing = 0
+        self._pool = []
+        self._lock = threading.Lock()
+        self._stamp = None
+        self._person = None
+        # Answers of 400 and up that a page proxy carried, by page (app address -> the
+        # last 20): a pin made on that page names them, beside what the page saw.
+        self.page_failures = collections.OrderedDict()
+
+    def store(self):
+        """`with hub.store() as store:` — a connection from the pool, for one request."""
+        return _Borrowed(self)
+
+    def open_proxy(self, upstream):
+        """The port of the page proxy for an app, started the first time it is asked for
+        (on any free port, kept for the next hubs: see restore_proxies)."""
+        with self._lock:
+            server = self.proxies.get(upstream)
+            if server is None:
+                server = self.proxies[upstream] = start_proxy(self, upstream, 0)
+                ports = proxy_ports(self.root)
+                ports[origin_of(*upstream)] = server.server_address[1]
+                write_file(proxy_ports_path(self.root), dumps_compact(ports) + "\n", private=True)
+        return server.server_address[1]
+
+    def app_origin(self, url):
+        """The app a page proxy of this project serves, for an address on that proxy
+        (else None): pins name the app, never the proxy's port."""
+        from urllib.parse import urlsplit
+        try:
+            parts = urlsplit(url)
+            port = parts.port
+        except ValueError:
+            return None
+        if parts.scheme != "http" or parts.hostname not in ("localhost", "127.0.0.1", "::1"):
+            return None
+        return next((origin for origin, kept in proxy_ports(self.root).items() if kept == port), None)
+
+    def app_address(self, url):
+        """An address on a page proxy of this project as the app's own address; any
+        other address as it is."""
+        app = self.app_origin(url) if isinstance(url, str) else None
+        if app is None:
+            return url
+        address = url.split("://", 1)[1]
+        rest = address[len(address.split("/")[0].split("?")[0].split("#")[0]):]
+        return app + (rest if rest.startswith("/") else "/" + rest)
+
+    def app_target(self, target):
+        """A pin's target with its page named by the app's address, when it was made
+        through a page proxy."""
+        url = self.app_address(target.get("url"))
+        return target if url == target.get("url") else dict(target, url=url)
+
+    def app_for(self, url):
+        """(app, path) for an address of an app this project opened with `pinbox open`
+        (at its page proxy or at its own origin), else None: the only places the hub
+        fetches a module or a source map from."""
+        from urllib.parse import urlsplit
+        try:
+            parts = urlsplit(url)
+            origin = parts.scheme + "://" + parts.netloc
+        except ValueError:
+            return None
+        app = self.app_origin(url) or (origin if origin in proxy_ports(self.root) else None)
+        return (app, (parts.path or "/") + ("?" + parts.query if parts.query else "")) if app else None
+
+    def note_failure(self, page, entry):
+        """A failed answer a page proxy carried for `page` (the app's address)."""
+        with self._lock:
+            kept = self.page_failures.pop(page, [])[-19:] + [entry]
+            self.page_failures[page] = kept
+            while len(self.page_failures) > 100:
+                self.page_failures.popitem(last=False)
+
+    def failures_on(self, page):
+        with self._lock:
+            return list(self.page_failures.get(page, ()))
+
+    def rename_proxied_pins(self):
+        """Pins stored with a page proxy's address (before pins named their app) get the
+        app's, once: as they are shown, copied, synced and given to agents. Read first,
+        written only when there is one (this runs at every start)."""
+        if not proxy_ports(self.root):
+            return
+        with self.store() as store:
+            with store.guard():
+                rows = store.conn.execute("SELECT json FROM pins WHERE json_extract(json, '$.target.url') LIKE "
+                                          "'http://localhost:%' OR json_extract(json, '$.target.url') LIKE "
+                                          "'http://127.0.0.1:%'").fetchall()
+            renamed = []
+            for pin in map(json_loads, (r[0] for r in rows)):
+                target = self.app_target(pin["target"])
+                if target is not pin["target"]:
+                    renamed.append(dict(pin, target=target))
+            if renamed:
+                with store.write() as conn:
+                    for pin in renamed:
+                        _save_pin(conn, pin)
+
+    def restore_proxies(self):
+        """The page proxies of earlier hubs, on their ports again: a tab left open on one,
+        and each pin made there, keep their address when the hub restarts."""
+        for origin, port in proxy_ports(self.root).items():
+            try:
+                upstream = parse_upstream(origin)
+                with self._lock:
+                    if upstream not in self.proxies:
+                        self.proxies[upstream] = start_proxy(self, upstream, port)
+            except (PinboxError, OSError):
+                continue  # its port is taken now: `pinbox open` gives it another, kept from then on
+
+    def close_proxies(self):
+        for server in list(self.proxies.values()):
+            server.shutdown()
+            server.server_close()
+
+    def close(self):
+        with self._lock:
+            for store in self._pool:
+                store.close()
+            self._pool = []
+
+    def person(self):
+        """Who works here, as git knows them (read once): the author of the pins their
+        pages send."""
+        if self._person is None:
+            self._person = git_author(self.root)
+        return self._person
+
+    def git_stamp(self):
+        """The branch and commit for a new pin, looked up at most once a second: one git
+        process per pin would cap the hub at a few hundred pins a second."""
+        now = time.monotonic()
+        if self._stamp is None or now - self._stamp[0] > 1.0:
+            self._stamp = (now, git_stamp(self.root))
+        return dict(self._stamp[1])
+
+    def count(self, name, delta):
+        with self._lock:
+            setattr(self, name, getattr(self, name) + delta)
+
+    def caller_session(self, store, request):
+        ref = request.headers.get("x-pinbox-session")
+        if not ref:
+            return None
+        with store.guard():
+            session = find_session(store.conn, ref)
+        return session["id"] if session else None
+
+    def changed(self):
+        """Something was written: with a page open, the watcher reads the new events
+        now (one read for a burst of writes, none in the writer's request); every waiter
+        wakes."""
+        if self.streams or self.toolbars:
+            self._poke.set()
+        with self.cond:
+            self.cond.notify_all()
+
+    def read_tail(self):
+        """Appends the events written since the last look to the tail; whether there were."""
+        with self._reading:
+            watched = self.streams or self.toolbars
+            try:
+                with self.store() as store:
+                    seq = last_seq(store.conn)
+                    fresh = events_after(store, self.last_seq, 1000) if watched and seq > self.last_seq else []
+            except (PinboxError, sqlite3.Error):
+                return False
+            with self.cond:
+                if self.tail_from is None or seq < self.last_seq or not watched:
+                    # The start, a store replaced, or no page open: the tail starts afresh here.
+                    moved = seq != self.last_seq
+                    self.tail.clear()
+                    self.tail_from = self.last_seq = seq
+                    return moved
+                if fresh:
+                    self.tail.extend(fresh)
+                    self.last_seq = fresh[-1]["seq"]
+                    if len(self.tail) == self.tail.maxlen:
+                        self.tail_from = self.tail[0]["seq"] - 1
+                    frames = [(event["seq"], sse_frame(event)) for event in fresh]
+                    for sock, sent in list(self.listeners.items()):
+                        # A stream that caught up from the store may be ahead of the tail.
+                        self.send_to(sock, b"".join(frame for seq, frame in frames if seq > sent), frames[-1][0])
+            return bool(fresh)
+
+    def listen(self, sock, after):
+        """Hands a stream that has sent everything up to `after` to the broadcast;
+        False when more has landed meanwhile (the stream sends that first)."""
+        with self.cond:
+            if self.tail_from is None or after < self.last_seq or self.stopping.is_set():
+                return False
+            self.listeners[sock] = after
+            return True
+
+    def send_to(self, sock, data, seq):
+        """Writes without waiting: a page that cannot take a few bytes into its socket
+        buffer is gone, and is hung up on."""
+        import socket
+        self._heard = time.monotonic()
+        try:
+            if not data or sock.send(data, socket.MSG_DONTWAIT) == len(data):
+                self.listeners[sock] = max(seq, self.listeners[sock])
+                return
+        except OSError:
+            pass
+        self.hang_up(sock)
+
+    def hang_up(self, sock):
+        """Ends a stream: its thread, blocked reading the socket, sees the end and exits."""
+        import socket
+        self.listeners.pop(sock, None)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def watch(self, stop):
+        """Reads new events into the tail when poked by a write here, and every 50 ms
+        for the writes of other processes (the CLI, hooks, git); wakes the waiters."""
+        while not stop.is_set():
+            if self._poke.wait(0.05):
+                stop.wait(0.005)  # the rest of a burst of writes is read with it
+            self._poke.clear()
+            try:
+                fresh = self.read_tail()
+            except Exception:  # noqa: BLE001 — this thread must outlive any one bad row
+                fresh = False
+            if fresh:
+                with self.cond:
+                    self.cond.notify_all()
+            elif time.monotonic() - self._heard > 15:  # proxies and browsers drop silent streams
+                with self.cond:
+                    for sock in list(self.listeners):
+                        self.send_to(sock, b": keepalive\n\n", 0)
+        with self.cond:
+            for sock in list(self.listeners):
+                self.hang_up(sock)
+
+    def wait_for_events(self, after, timeout):
+        """Events after `after`, waiting up to `timeout` seconds for one to appear."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            with self.cond:
+                if self.tail_from is not None and after >= self.tail_from:
+                    events = []
+                    for event in reversed(self.tail):  # from the newest: a page is seldom far behind
+                        if event["seq"] <= after:
+                            break
+                        events.append(event)
+                    events = events[::-1][:200]
+                    if events or left <= 0:
+                        return events
+                    self.cond.wait(min(left, 1.0))
+                    continue
+            with self.store() as store:  # further back than the tail: a page catching up
+                events = events_after(store, after, 200)
+            if events or left <= 0:
+                return events
+            with self.cond:
+                self.cond.wait(min(left, 1.0))
+
+
+class _Borrowed:
+    def __init__(self, hub):
+        self.hub = hub
+
+    def __enter__(self):
+        with self.hub._lock:
+            self.store = self.hub._pool.pop() if self.hub._pool else None
+        if self.store is not None and self.store.identity != file_identity(self.store.path):
+            # The database was deleted or replaced under the hub: a connection to the old
+            # file would write where nobody reads.
+            self.store.close()
+            self.store = None
+        if self.store is None:
+            self.store = Store(self.hub.directory, make_folder=False)
+        return self.store
+
+    def __exit__(self, *exc):
+        if self.store.conn is not None and self.store.conn.in_transaction:
+            self.store.conn.execute("ROLLBACK")
+        with self.hub._lock:
+            keep = len(self.hub._pool) < 16  # a burst of requests leaves no pile of open connections
+            if keep:
+                self.hub._pool.append(self.store)
+        if not keep:
+            self.store.close()
+        return False
+
+
+
+class Activity:
+    """When the hub last had a request: it exits after PINBOX_IDLE_MS without one, unless
+    a page still has a stream or socket open."""
+
+    def __init__(self):
+        self.last = time.monotonic()
+
+    def touch(self):
+        self.last = time.monotonic()
+
+    def idle_for(self):
+        return time.monotonic() - self.last
+
+
+def proxy_ports_path(root):
+    return os.path.join(state_dir(root), "proxies.json")
+
+
+def proxy_ports(root):
+    """{app origin: port} of the page proxies this project's hubs have served."""
+    try:
+        with open(proxy_ports_path(root), encoding="utf-8") as handle:
+            data = json_loads(handle.read())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {origin: port for origin, port in data.items()
+            if isinstance(origin, str) and type(port) is int and 0 < port < 65536}
+
+
+# ============================================================================
 # Hub: finding and starting hubs
 # ============================================================================
 
@@ -6267,6 +6119,164 @@ def hub_for(root):
                           "start one with `pinbox serve` (PINBOX_NO_SPAWN=1 keeps pinbox from starting it)"
                           if os.environ.get("PINBOX_NO_SPAWN") else "see .pinbox/hub.log for why it did not start")
     return data
+
+
+# ============================================================================
+# Hub: process life (serving until idle or told to stop)
+# ============================================================================
+
+def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
+    """Serves the project's hub until it has been idle PINBOX_IDLE_MS, is told to stop
+    (SIGTERM, SIGINT) or its project folder is gone; `ready(port, token)` is called once
+    it listens. Returns ("stopped", None), or ("already", hub.json of the hub that holds
+    the project's lock, or None while that one is starting)."""
+    import json
+    import fcntl
+    import http.server
+    import threading
+    state, hub_json, token_path, port_path, lock_path, server_json = hub_files(root)
+    os.makedirs(state, mode=0o700, exist_ok=True)
+    lock = open(lock_path, "a")  # one hub per project: the lock is held while it serves
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # novermin (flags, not a type union)
+    except OSError:
+        lock.close()
+        return "already", wait_for_hub(root, 3.0)
+    server = hub = None
+    try:
+        hub = open_hub(root, token_path, ephemeral_inbox)
+        server_class = type("Server", (HubServer, http.server.ThreadingHTTPServer), {})
+        handler_class = type("Handler", (HubHandler, http.server.BaseHTTPRequestHandler), {})
+        wanted = port if port is not None else last_port(port_path)
+        try:
+            server = server_class(("127.0.0.1", wanted or 0), handler_class, hub)
+        except OSError:
+            server = server_class(("127.0.0.1", 0), handler_class, hub)  # taken: any free port
+        bound = hub.port = server.server_address[1]
+        # Before hub.json exists: a signal sent as soon as it appears must still clean up.
+        handle_stop_signals(hub, server)
+        hub.restore_proxies()
+        try:
+            hub.rename_proxied_pins()
+        except PinboxError:
+            pass  # the store is busy now: the next hub renames them
+        write_file(port_path, "%d\n" % bound, private=True)
+        write_file(hub_json, json.dumps({"pid": os.getpid(), "port": bound, "token": hub.token,
+                                         "localToken": hub.local_token, "project": root, "version": VERSION},
+                                        indent=2) + "\n", private=True)
+        write_file(server_json, json.dumps({"port": bound}, indent=2) + "\n")
+        owner = "hub-%d-%s" % (os.getpid(), new_id("ses")[4:])
+        for target, args in ((hub.watch, (hub.stopping,)), (delivery_worker, (hub, hub.stopping, owner)),
+                             (watch_idle, (hub, server)), (sync_worker, (hub, hub.stopping))):
+            threading.Thread(target=target, args=args, daemon=True).start()
+        if ready:
+            ready(bound, hub.token)
+        server.serve_forever(poll_interval=0.2)
+        finish_requests(hub, server, owner)
+    finally:
+        current = read_hub_json(hub_json)
+        if current and current["pid"] == os.getpid():
+            for path in (hub_json, server_json):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        if server is not None:
+            server.server_close()
+        if hub is not None:
+            hub.close_proxies()
+            hub.close()
+        lock.close()
+    return "stopped", None
+
+
+def open_hub(root, token_path, ephemeral_inbox):
+    """The Hub for a project, its store made (and migrated) before the first request."""
+    directory = store_dir(root)
+    store = Store(directory)
+    try:
+        if ephemeral_inbox:
+            with store.write() as conn:
+                clear_inbox(conn)
+    finally:
+        store.close()
+    hub = Hub(root, directory, project_token(token_path))
+    hub.read_tail()  # where the tail starts: a stream can be handed to the broadcast at once
+    return hub
+
+
+
+
+def last_port(port_path):
+    """The port the project's last hub had: a script tag pasted into a page keeps working."""
+    try:
+        with open(port_path) as handle:
+            return int(handle.read().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def stop_hub(hub, server):
+    """Tells every thread to stop and ends serve_forever, whatever fails on the way (the
+    project folder being deleted as the signal arrives, say): a hub that misses the
+    shutdown would hold its port for ever, deaf to every later signal."""
+    hub.stopping.set()
+    try:
+        hub.changed()
+        with hub.store() as store:
+            wake_waiters(store)  # every parked inbox reader: the wait is cut short
+    except Exception as exc:  # noqa: BLE001 — the shutdown below must happen
+        write_err("pinbox: stopping the hub: %s\n" % exc)
+    finally:
+        server.shutdown()
+
+
+def handle_stop_signals(hub, server):
+    """SIGTERM and SIGINT stop the hub. A handler takes no locks (the main thread may
+    hold them): a thread does the work. A second signal, while the first one's teardown
+    hangs (on a store locked by another process, say), ends the process where it stands."""
+    import signal
+    import threading
+
+    def on_signal(signum, frame):
+        # The next signal takes the default action, which no hung call in any thread
+        # can hold up (a Python handler would wait for the main thread).
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if hub.stopping.is_set():  # already stopping (idle): this signal ends it now
+            os.kill(os.getpid(), signum)
+            return
+        hub.stopping.set()
+        threading.Thread(target=stop_hub, args=(hub, server), daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+
+def watch_idle(hub, server):
+    """Stops the hub after PINBOX_IDLE_MS without a request (a page with a stream or
+    socket open, or a push under way, counts as one), or once its project folder is gone
+    (a `git worktree remove`, a test's temporary folder)."""
+    idle = env_number("PINBOX_IDLE_MS", 1800000) / 1000.0
+    while not hub.stopping.wait(0.2):
+        if not os.path.isdir(hub.root):
+            stop_hub(hub, server)
+        elif hub.streams or hub.toolbars or hub.pushing or hub.pushes.running:
+            hub.activity.touch()
+        elif hub.activity.idle_for() > idle:
+            stop_hub(hub, server)
+
+
+def finish_requests(hub, server, owner):
+    """After serve_forever: requests in flight (a cut-short wait, say) get their answer,
+    and pushes still running are left for the next hub."""
+    deadline = time.monotonic() + 2
+    while server.active and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        release_leases(hub, owner)
+    except Exception as exc:  # noqa: BLE001 — shutting down goes on; the next hub releases them anyway
+        write_err("pinbox: could not release deliveries in flight: %s\n" % exc)
 
 
 # ============================================================================
@@ -6562,7 +6572,8 @@ class McpServer:
             data = {"note": DATA_NOTE, "pins": [pin_brief(p) for p in list_pins(self.store, "open")]}
         elif uri.startswith("pinbox://pins/"):
             try:
-                pin = get_pin(self.store, uri[len("pinbox://pins/"):])
+                with self.store.guard():
+                    pin = find_pin(self.store.conn, uri[len("pinbox://pins/"):], named=True)
             except PinboxError:
                 raise McpFault(-32602 if version in MCP_MODERN else -32002, "no such resource", {"uri": uri})
             data = {"note": DATA_NOTE, "pin": pin_brief(pin), "thread": get_thread(self.store, pin["id"])}
@@ -6650,7 +6661,8 @@ class McpServer:
         return images
 
     def t_show_pin(self, args):
-        pin = get_pin(self.store, args["id"])
+        with self.store.guard():
+            pin = find_pin(self.store.conn, args["id"], named=True)
         images = self.images(pin.get("attachments"))
         data = {"note": DATA_NOTE, "pin": pin_brief(pin), "target": pin.get("target"), "evidence": pin.get("evidence"),
                 "env": pin.get("env"),
@@ -7783,18 +7795,12 @@ def check_role(value, verb):
     return check_choice(value, "--as", ("human", "agent"), verb)
 
 
-def me_or_none(ctx, store):
-    """The calling agent session (--session, else PINBOX_SESSION, else the agent's own
-    variables), or None."""
-    with store.guard():
-        return calling_session(store.conn, ctx.args.session)
-
-
 def speaking_session(ctx, role):
     """The id of the agent session behind `--as agent`, when it can be told (§4.4)."""
     if role != "agent":
         return None
-    session = me_or_none(ctx, ctx.reader)
+    with ctx.reader.guard():
+        session = calling_session(ctx.reader.conn, ctx.args.session)
     if session is None and ctx.args.session:
         raise PinboxError("E_NOT_FOUND", "no session %s" % ctx.args.session,
                           "run `pinbox session list` to see sessions (ses_… ids or agent:key)")
@@ -7836,11 +7842,11 @@ def session_store(ctx, create=True):
 def named_session(ctx, conn):
     args = ctx.args
     if getattr(args, "session", None) is not None or not hasattr(args, "agent"):
-        session = lookup_session(conn, args.session)
+        session = find_session(conn, args.session)
         label = args.session
     else:
         agent, key, _ = session_ref_args(ctx)
-        session = find_session(conn, agent, key)
+        session = find_session(conn, (agent, key))
         label = "%s:%s" % (agent, key)
     if session is None:
         raise PinboxError("E_NOT_FOUND", "no session %s" % label,
@@ -8194,7 +8200,8 @@ def delivery_state(row, pin):
 
 
 def cmd_show(ctx):
-    pin = get_pin(ctx.reader, ctx.args.id)
+    with ctx.reader.guard():
+        pin = find_pin(ctx.reader.conn, ctx.args.id, named=True)
     thread = get_thread(ctx.reader, pin["id"])
     deliveries = deliveries_for_pin(ctx.reader, pin["id"])
     facts = render_show(pin, thread)
@@ -8235,7 +8242,8 @@ def cmd_ask(ctx):
     timeout = args.timeout if args.timeout is not None else 300.0
     if not 0 < timeout <= 3600:
         raise invalid("--timeout: seconds from 0 to 3600", usage_hint("ask"))
-    session = me_or_none(ctx, ctx.reader)
+    with ctx.reader.guard():
+        session = calling_session(ctx.reader.conn, ctx.args.session)
     page = app_address(ctx.root, args.page) if args.page is not None else None
     ask = ask_person(ctx.store, read_text_arg(args.question, "question"), session, pin=args.pin, page=page)
     if not args.wait:
@@ -8270,158 +8278,6 @@ def cmd_export(ctx):
     text = markdown_pins(pins, detail)
     if text:
         write_out(plain(text) + "\n")
-
-
-def probe_sqlite(ctx):
-    conn = sqlite3.connect(":memory:")
-    conn.execute("CREATE TABLE t(x)")
-    conn.execute("INSERT INTO t VALUES (1)")
-    if conn.execute("SELECT x FROM t").fetchone() != (1,):
-        raise RuntimeError("SQLite %s read back the wrong row" % sqlite3.sqlite_version)
-    return "created and read a table in :memory: (SQLite %s)" % sqlite3.sqlite_version
-
-
-def probe_fts(ctx):
-    conn = sqlite3.connect(":memory:")
-    try:
-        conn.execute("CREATE VIRTUAL TABLE t USING fts5(body)")
-    except sqlite3.OperationalError:
-        return "not in this SQLite build — search scans instead (slower)"
-    conn.execute("INSERT INTO t VALUES ('probe')")
-    conn.execute("SELECT * FROM t WHERE t MATCH 'probe'").fetchall()
-    return "MATCH query answered on a virtual table"
-
-
-def probe_state_dir(ctx):
-    path = state_dir(ctx.root)
-    old = os.umask(0o077)
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        probe = os.path.join(path, ".probe-%d" % os.getpid())
-        write_file(probe, "ok", mode=0o600)
-        os.unlink(probe)
-    finally:
-        os.umask(old)
-    mode = os.stat(path).st_mode & 0o777
-    if mode & 0o077:
-        raise RuntimeError("%s is mode %04o; run chmod 700 on it" % (path, mode))
-    return "%s writable, mode %04o" % (path, mode)
-
-
-def probe_db(ctx):
-    store = ctx.reader
-    if not store.exists:
-        folder = store.directory
-        while not os.path.isdir(folder):
-            folder = os.path.dirname(folder)
-        if not os.access(folder, os.W_OK):
-            raise RuntimeError("no store yet, and %s is not writable" % folder)
-        return "no store yet; %s is writable, so the first pin will make it" % folder
-    with store.guard():
-        store.conn.execute("BEGIN IMMEDIATE")
-        store.conn.execute("ROLLBACK")
-    return "%s opens for writing" % os.path.relpath(store.path, ctx.root)
-
-
-def probe_deliveries(ctx):
-    """Each open pin whose newest news never reached an agent (its delivery failed for
-    good, and nothing about it was delivered since), and pushes overdue."""
-    store = ctx.reader
-    with store.guard():
-        health = delivery_health(store.conn, iso_time(time.time() - 60))
-        stuck = stuck_deliveries(store.conn) if store.exists else []
-    problems = ["%s (%s via %s): %s" % row for row in stuck]
-    if health["overdue"]:
-        problems.append("%d push(es) overdue: is the hub running? (`pinbox serve`)" % health["overdue"])
-    if problems:
-        raise RuntimeError("; ".join(problems) + " — fix the cause (an agent or PINBOX_WEBHOOK_URL that refuses), "
-                           "then the pin's next message is delivered afresh; `pinbox show <id>` lists its deliveries")
-    return "none stuck, failed or overdue; %d waiting for a session to register" % health["waiting"]
-
-
-def wired_agents(root):
-    """The agents `init` wired in this project: an uninstall would find something of
-    pinbox's to take out, or a settings file of the project's own it cannot read (a
-    person's global config that pinbox cannot parse says nothing about this project)."""
-    def wired(plan):
-        return plan.outcome == "removed" or (plan.outcome == "failed" and plan.path.startswith(root + os.sep))
-    return [agent for agent, installer in AGENT_INSTALLERS.items()
-            if any(wired(plan) for plan in installer(root, uninstall=True))]
-
-
-def probe_agents(ctx):
-    """Whether each wired agent will really run pinbox: `init` would change nothing."""
-    wired = wired_agents(ctx.root)
-    if not wired:  # pins would wait for ever: a problem, with its fix
-        raise RuntimeError("no agent wired here, so no agent will get the pins — fix: `pinbox init --agent claude` "
-                           "(or codex, hermes, gemini, cursor, vscode, …)")
-    problems = []
-    if not pinbox_on_path(ctx.root) and any(agent in ("codex", "gemini") for agent in wired):
-        problems.append("the hooks your team shares call `pinbox`, which is not on this machine's PATH, so they do "
-                        "nothing here — fix: `pinbox install`")
-    for agent in wired:
-        for plan in AGENT_INSTALLERS[agent](ctx.root, trust=True):
-            if plan.outcome == "unchanged":
-                continue
-            why = {"failed": "cannot be read", "kept": "has entries of its own in the way",
-                   "installed": "is missing"}.get(plan.outcome, "differs from what pinbox would write (pinbox moved, "
-                                                                "or its entries or trust were changed or removed)")
-            problems.append("%s: %s %s — fix: `pinbox init --agent %s --trust`" % (plan.name, plan.path, why, agent))
-    if problems:
-        raise RuntimeError("; ".join(problems))
-    return "%s: wired, trusted and pointing at %s" % (", ".join(wired), self_path())
-
-
-def probe_hook_speed(ctx):
-    """The agents' hook command itself, run once (read-only: `session pending` without
-    --hook changes nothing)."""
-    import subprocess
-    command = hook_command(["session", "pending", "--agent", "claude", "--key", "pinbox-doctor", "--json"])
-    started = time.monotonic()
-    done = subprocess.run(command, shell=True, cwd=ctx.root, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL, timeout=30, env=dict(os.environ, PINBOX_NO_SPAWN="1"))
-    took = (time.monotonic() - started) * 1000
-    if done.returncode != 0:
-        raise RuntimeError("the hook command exited %d — run `pinbox init --agent …` again" % done.returncode)
-    return "the hook command answered in %.0f ms" % took
-
-
-def probe_hub(ctx):
-    hub = running_hub(ctx.root)
-    if hub:
-        return "up on 127.0.0.1:%d (pid %d)" % (hub["port"], hub["pid"])
-    return "not running; the next pinbox command starts it (PINBOX_NO_SPAWN=1 stops that)"
-
-
-def probe_sessions(ctx):
-    store = ctx.reader
-    sessions = list_sessions(store) if store.exists else []
-    live = [s for s in sessions if "endedAt" not in s]
-    if not sessions:
-        return "none yet: an agent's first prompt (with its hooks wired) registers one"
-    newest = sessions[0]
-    return "%d live; last seen: %s:%s %s" % (len(live), newest["agent"], newest["key"],
-                                              relative_age(newest.get("lastSeenAt")))
-
-
-def probe_sync(ctx):
-    status = sync_status(ctx.reader)
-    if not status["enabled"]:
-        return "off: pins stay on this machine (`pinbox sync` shares them through the git remote)"
-    if status.get("lastError"):
-        raise PinboxError("E_REMOTE", "the last sync failed: %s" % status["lastError"])
-    if status.get("setAside"):
-        last = status["lastSetAside"]
-        raise invalid("%d event(s) from the remote were set aside; the last, from %s: %s" % (
-            status["setAside"], last["ref"], last["reason"]), "`pinbox sync --status` lists the latest")
-    return "on, with %s; last sync %s" % (status["remote"], relative_age(status.get("lastSyncAt")))
-
-
-# What `pinbox doctor` checks, in order: a probe returns what it found, or raises what is wrong.
-DOCTOR_PROBES = (("sqlite", probe_sqlite), ("fts5", probe_fts), ("state-dir", probe_state_dir),
-                 ("db-writable", probe_db), ("agents", probe_agents), ("hook-speed", probe_hook_speed),
-                 ("hub", probe_hub), ("sessions", probe_sessions), ("deliveries", probe_deliveries),
-                 ("sync", probe_sync))
 
 
 def cmd_sync(ctx):
@@ -8486,20 +8342,6 @@ def cmd_stop(ctx):
     facts = "\n".join("stopped the hub of %s (port %d)" % (s["project"] or "a project", s["port"]) for s in stopped)
     ctx.out.result({"stopped": stopped}, facts or None,
                    None if stopped else "no hub runs%s" % ("" if ctx.args.all else " for %s" % ctx.root))
-
-
-def cmd_doctor(ctx):
-    checks = []
-    for name, probe in DOCTOR_PROBES:
-        try:
-            checks.append({"name": name, "ok": True, "detail": probe(ctx)})
-        except Exception as exc:  # noqa: BLE001 — a failing probe is a finding, not a crash
-            checks.append({"name": name, "ok": False, "detail": str(exc) or type(exc).__name__})
-    failing = [c for c in checks if not c["ok"]]
-    facts = "\n".join("%s  %s  %s" % ("ok" if c["ok"] else "no", c["name"].ljust(11), c["detail"]) for c in checks)
-    note = "%d checks, %s" % (len(checks), "%d failing" % len(failing) if failing else "all ok")
-    ctx.out.result({"checks": checks}, facts, note)
-    return 1 if failing else 0
 
 
 def project_folder(arg):
@@ -8677,7 +8519,8 @@ def cmd_session_trailer(ctx):
 def cmd_agent_post(ctx):
     store = ctx.store
     text = read_text_arg(ctx.args.text, "message")
-    me = me_or_none(ctx, store)
+    with store.guard():
+        me = calling_session(store.conn, ctx.args.session)
     message, pending, unseen = post_message(store, ctx.args.target, text, me["id"] if me else None)
     ctx.out.result({"id": message["id"], "session": message["session"], "pending": pending, "unseen": unseen},
                    message["id"], "posted to %s: %d pending, %d unseen" % (message["session"], pending, unseen))
@@ -8695,10 +8538,11 @@ def render_inbox(messages, now=None):
 def cmd_agent_inbox(ctx):
     args = ctx.args
     store = ctx.reader
-    me = me_or_none(ctx, store)
+    with store.guard():
+        me = calling_session(store.conn, ctx.args.session)
     if args.target:
         with store.guard():
-            session = lookup_session(store.conn, args.target)
+            session = find_session(store.conn, args.target)
         if session is None:
             raise PinboxError("E_NOT_FOUND", "no session %s" % args.target, "run `pinbox agent ls` to see sessions")
     elif me is None:
@@ -8730,7 +8574,8 @@ def cmd_agent_inbox(ctx):
 
 def cmd_agent_ack(ctx):
     store = ctx.reader
-    me = me_or_none(ctx, store)
+    with store.guard():
+        me = calling_session(store.conn, ctx.args.session)
     if me is None:
         raise PinboxError("E_FORBIDDEN", "only the receiving session acks its messages",
                           "run this from the receiving session (PINBOX_SESSION or --session)")
@@ -8742,6 +8587,176 @@ def cmd_agent_ls(ctx):
     session_table(ctx, inbox_summary(ctx.reader),
                   lambda s: "inbox %d pending, %d new%s" % (s["inbox"]["pending"], s["inbox"]["new"],
                                                            ", parked" if s["inbox"]["parked"] else ""))
+
+
+# ============================================================================
+# CLI: doctor, its probes
+# ============================================================================
+
+def probe_sqlite(ctx):
+    conn = sqlite3.connect(":memory:")
+    conn.execute("CREATE TABLE t(x)")
+    conn.execute("INSERT INTO t VALUES (1)")
+    if conn.execute("SELECT x FROM t").fetchone() != (1,):
+        raise RuntimeError("SQLite %s read back the wrong row" % sqlite3.sqlite_version)
+    return "created and read a table in :memory: (SQLite %s)" % sqlite3.sqlite_version
+
+
+def probe_fts(ctx):
+    conn = sqlite3.connect(":memory:")
+    try:
+        conn.execute("CREATE VIRTUAL TABLE t USING fts5(body)")
+    except sqlite3.OperationalError:
+        return "not in this SQLite build — search scans instead (slower)"
+    conn.execute("INSERT INTO t VALUES ('probe')")
+    conn.execute("SELECT * FROM t WHERE t MATCH 'probe'").fetchall()
+    return "MATCH query answered on a virtual table"
+
+
+def probe_state_dir(ctx):
+    path = state_dir(ctx.root)
+    old = os.umask(0o077)
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        probe = os.path.join(path, ".probe-%d" % os.getpid())
+        write_file(probe, "ok", mode=0o600)
+        os.unlink(probe)
+    finally:
+        os.umask(old)
+    mode = os.stat(path).st_mode & 0o777
+    if mode & 0o077:
+        raise RuntimeError("%s is mode %04o; run chmod 700 on it" % (path, mode))
+    return "%s writable, mode %04o" % (path, mode)
+
+
+def probe_db(ctx):
+    store = ctx.reader
+    if not store.exists:
+        folder = store.directory
+        while not os.path.isdir(folder):
+            folder = os.path.dirname(folder)
+        if not os.access(folder, os.W_OK):
+            raise RuntimeError("no store yet, and %s is not writable" % folder)
+        return "no store yet; %s is writable, so the first pin will make it" % folder
+    with store.guard():
+        store.conn.execute("BEGIN IMMEDIATE")
+        store.conn.execute("ROLLBACK")
+    return "%s opens for writing" % os.path.relpath(store.path, ctx.root)
+
+
+def probe_deliveries(ctx):
+    """Each open pin whose newest news never reached an agent (its delivery failed for
+    good, and nothing about it was delivered since), and pushes overdue."""
+    store = ctx.reader
+    with store.guard():
+        health = delivery_health(store.conn, iso_time(time.time() - 60))
+        stuck = stuck_deliveries(store.conn) if store.exists else []
+    problems = ["%s (%s via %s): %s" % row for row in stuck]
+    if health["overdue"]:
+        problems.append("%d push(es) overdue: is the hub running? (`pinbox serve`)" % health["overdue"])
+    if problems:
+        raise RuntimeError("; ".join(problems) + " — fix the cause (an agent or PINBOX_WEBHOOK_URL that refuses), "
+                           "then the pin's next message is delivered afresh; `pinbox show <id>` lists its deliveries")
+    return "none stuck, failed or overdue; %d waiting for a session to register" % health["waiting"]
+
+
+def wired_agents(root):
+    """The agents `init` wired in this project: an uninstall would find something of
+    pinbox's to take out, or a settings file of the project's own it cannot read (a
+    person's global config that pinbox cannot parse says nothing about this project)."""
+    def wired(plan):
+        return plan.outcome == "removed" or (plan.outcome == "failed" and plan.path.startswith(root + os.sep))
+    return [agent for agent, installer in AGENT_INSTALLERS.items()
+            if any(wired(plan) for plan in installer(root, uninstall=True))]
+
+
+def probe_agents(ctx):
+    """Whether each wired agent will really run pinbox: `init` would change nothing."""
+    wired = wired_agents(ctx.root)
+    if not wired:  # pins would wait for ever: a problem, with its fix
+        raise RuntimeError("no agent wired here, so no agent will get the pins — fix: `pinbox init --agent claude` "
+                           "(or codex, hermes, gemini, cursor, vscode, …)")
+    problems = []
+    if not pinbox_on_path(ctx.root) and any(agent in ("codex", "gemini") for agent in wired):
+        problems.append("the hooks your team shares call `pinbox`, which is not on this machine's PATH, so they do "
+                        "nothing here — fix: `pinbox install`")
+    for agent in wired:
+        for plan in AGENT_INSTALLERS[agent](ctx.root, trust=True):
+            if plan.outcome == "unchanged":
+                continue
+            why = {"failed": "cannot be read", "kept": "has entries of its own in the way",
+                   "installed": "is missing"}.get(plan.outcome, "differs from what pinbox would write (pinbox moved, "
+                                                                "or its entries or trust were changed or removed)")
+            problems.append("%s: %s %s — fix: `pinbox init --agent %s --trust`" % (plan.name, plan.path, why, agent))
+    if problems:
+        raise RuntimeError("; ".join(problems))
+    return "%s: wired, trusted and pointing at %s" % (", ".join(wired), self_path())
+
+
+def probe_hook_speed(ctx):
+    """The agents' hook command itself, run once (read-only: `session pending` without
+    --hook changes nothing)."""
+    import subprocess
+    command = hook_command(["session", "pending", "--agent", "claude", "--key", "pinbox-doctor", "--json"])
+    started = time.monotonic()
+    done = subprocess.run(command, shell=True, cwd=ctx.root, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, timeout=30, env=dict(os.environ, PINBOX_NO_SPAWN="1"))
+    took = (time.monotonic() - started) * 1000
+    if done.returncode != 0:
+        raise RuntimeError("the hook command exited %d — run `pinbox init --agent …` again" % done.returncode)
+    return "the hook command answered in %.0f ms" % took
+
+
+def probe_hub(ctx):
+    hub = running_hub(ctx.root)
+    if hub:
+        return "up on 127.0.0.1:%d (pid %d)" % (hub["port"], hub["pid"])
+    return "not running; the next pinbox command starts it (PINBOX_NO_SPAWN=1 stops that)"
+
+
+def probe_sessions(ctx):
+    store = ctx.reader
+    sessions = list_sessions(store) if store.exists else []
+    live = [s for s in sessions if "endedAt" not in s]
+    if not sessions:
+        return "none yet: an agent's first prompt (with its hooks wired) registers one"
+    newest = sessions[0]
+    return "%d live; last seen: %s:%s %s" % (len(live), newest["agent"], newest["key"],
+                                              relative_age(newest.get("lastSeenAt")))
+
+
+def probe_sync(ctx):
+    status = sync_status(ctx.reader)
+    if not status["enabled"]:
+        return "off: pins stay on this machine (`pinbox sync` shares them through the git remote)"
+    if status.get("lastError"):
+        raise PinboxError("E_REMOTE", "the last sync failed: %s" % status["lastError"])
+    if status.get("setAside"):
+        last = status["lastSetAside"]
+        raise invalid("%d event(s) from the remote were set aside; the last, from %s: %s" % (
+            status["setAside"], last["ref"], last["reason"]), "`pinbox sync --status` lists the latest")
+    return "on, with %s; last sync %s" % (status["remote"], relative_age(status.get("lastSyncAt")))
+
+
+# What `pinbox doctor` checks, in order: a probe returns what it found, or raises what is wrong.
+DOCTOR_PROBES = (("sqlite", probe_sqlite), ("fts5", probe_fts), ("state-dir", probe_state_dir),
+                 ("db-writable", probe_db), ("agents", probe_agents), ("hook-speed", probe_hook_speed),
+                 ("hub", probe_hub), ("sessions", probe_sessions), ("deliveries", probe_deliveries),
+                 ("sync", probe_sync))
+
+
+def cmd_doctor(ctx):
+    checks = []
+    for name, probe in DOCTOR_PROBES:
+        try:
+            checks.append({"name": name, "ok": True, "detail": probe(ctx)})
+        except Exception as exc:  # noqa: BLE001 — a failing probe is a finding, not a crash
+            checks.append({"name": name, "ok": False, "detail": str(exc) or type(exc).__name__})
+    failing = [c for c in checks if not c["ok"]]
+    facts = "\n".join("%s  %s  %s" % ("ok" if c["ok"] else "no", c["name"].ljust(11), c["detail"]) for c in checks)
+    note = "%d checks, %s" % (len(checks), "%d failing" % len(failing) if failing else "all ok")
+    ctx.out.result({"checks": checks}, facts, note)
+    return 1 if failing else 0
 
 
 # ============================================================================
@@ -9142,6 +9157,15 @@ def main():
 # ============================================================================
 # Assets: the page toolbar, the overview page, the demo page
 # ============================================================================
+
+# Served as they are, with a few @NAME@ slots filled in by the router:
+# - EARLY_JS, the early hook: console errors and failed requests, kept for a pin;
+# - TOOLBAR_JS, the toolbar, in regions marked `// ---- <region>`: helpers, REST, UI
+#   skeleton, picking, describing a target, source, capture, composer, markers,
+#   progress, thread panel, drawer, help and dock, outbox, live updates, wiring,
+#   questions, after a fix;
+# - PAGE_HTML, the overview page (`/`); DEMO_HTML, the demo page; DOWN_PAGE, what the
+#   proxy answers while the app is down.
 
 EARLY_JS = r"""/* pinbox early hook: what the page saw go wrong, kept for a pin.
    Put at the top of <head> by `pinbox open` (so it runs before the app's own scripts) and

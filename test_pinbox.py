@@ -10132,13 +10132,11 @@ class TestTheHouse(unittest.TestCase):
     """pinbox.py reads top to bottom: a section uses only names defined in it or above it
     (the entry points and the Assets aside)."""
 
-    # Still reaching forward: the store's migration backfills the ledger, the ledger hands
-    # each event to routing, and the hub's server shell starts proxies and finds hubs.
+    # The two that reach forward by design: the store's migration fills in the ledger's
+    # pin column (the ledger's own rule, kept with it), and the ledger hands each event it
+    # records to routing, which needs the pins and sessions defined after the ledger.
     KNOWN = {("Store: files, schema, migrations", "backfill_delivery_pins"),
-             ("Events and the delivery ledger", "route_event"),
-             ("Hub: the server shell", "start_proxy"), ("Hub: the server shell", "hub_files"),
-             ("Hub: the server shell", "wait_for_hub"), ("Hub: the server shell", "read_hub_json"),
-             ("Hub: the server shell", "project_token")}
+             ("Events and the delivery ledger", "route_event")}
 
     @staticmethod
     def forward_references(source):
@@ -10189,6 +10187,16 @@ class TestTheHouse(unittest.TestCase):
 
 
 class TestAssets(unittest.TestCase):
+    def test_the_assets_banner_lists_the_toolbars_regions_in_order(self):
+        with open(SCRIPT, encoding="utf-8") as handle:
+            source = handle.read()
+        banner = source.split("# Assets: the page toolbar")[1].split("EARLY_JS = ")[0]
+        listed = " ".join(line.lstrip("# ") for line in banner.split("`// ---- <region>`:")[1].split("\n# - ")[0]
+                          .splitlines())
+        regions = re.findall(r"^  // -{10,} ([a-zA-Z ]+)$", pinbox.TOOLBAR_JS, re.M)
+        self.assertGreater(len(regions), 10)
+        self.assertEqual([r.strip() for r in listed.rstrip(";").split(",")], regions)
+
     def test_every_script_pinbox_serves_parses(self):
         """The toolbar, the overview page's script and the demo page's are programs too:
         node parses each (a syntax slip would otherwise show only in the Chromium tests)."""
