@@ -97,6 +97,20 @@ def campaign(quick, full):
     return full if os.environ.get("PINBOX_CAMPAIGN") == "full" else quick
 
 
+def eventually(check, timeout=10, what="the condition"):
+    """check()'s first truthy value, asked again until `timeout` seconds pass (a hang
+    guard, not a timing assertion); fails saying `what` never came (`what` may be a
+    function, asked then, to tell what was seen last)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = check()
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError("never happened within %g s: %s" % (timeout, what() if callable(what) else what))
+        time.sleep(0.05)
+
+
 def serve_in_thread(test, handler):
     """A ThreadingHTTPServer on 127.0.0.1 in this process, stopped after the test."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -285,10 +299,8 @@ class HubCase(PinboxCase):
             os.kill(pid, signal.SIGTERM)
         self.wait_gone(pid)
 
-    def wait_gone(self, pid):
-        deadline = time.monotonic() + 10
-        while pid_running(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+    def wait_gone(self, pid, timeout=10):
+        eventually(lambda: not pid_running(pid), timeout, "process %d gone" % pid)
 
     def stop_hub(self, proc):
         if proc.poll() is None:
@@ -310,8 +322,7 @@ class HubCase(PinboxCase):
     def wait_hub_json(self, accept, timeout=30):
         """hub.json once the hub is ready: it writes .pinbox/server.json last. (30 s: a
         hang guard; a hub on a loaded 2-core box once took more than 10 s to start.)"""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def ready():
             try:
                 with open(os.path.join(self.state, "hub.json")) as handle:
                     data = json.load(handle)
@@ -319,8 +330,8 @@ class HubCase(PinboxCase):
                     return data
             except (OSError, ValueError, IndexError):
                 pass
-            time.sleep(0.05)
-        self.fail("no hub.json appeared")
+            return None
+        return eventually(ready, timeout, "a hub.json the test accepts, and .pinbox/server.json")
 
     def request(self, method, path, body=None, headers=None, token=True, raw=None, port=None):
         conn = http.client.HTTPConnection("127.0.0.1", port or self.port, timeout=30)
@@ -514,14 +525,14 @@ class DeliveryCase(HubCase):
             store.close()
 
     def wait_rows(self, predicate, timeout=20):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            rows = self.sql("SELECT id, adapter, status, attempts, last_error FROM deliveries WHERE status != 'skipped' "
-                            "ORDER BY id")
-            if predicate(rows):
-                return rows
-            time.sleep(0.05)
-        self.fail("ledger never got there: %d rows, last %s" % (len(rows), rows[-3:]))
+        rows = []
+
+        def matched():  # (rows,): a ledger the predicate accepts may be empty
+            rows[:] = self.sql("SELECT id, adapter, status, attempts, last_error FROM deliveries "
+                               "WHERE status != 'skipped' ORDER BY id")
+            return (list(rows),) if predicate(rows) else None
+        return eventually(matched, timeout, lambda: "the ledger to get there: %d rows, last %s"
+                          % (len(rows), rows[-3:]))[0]
 
 
 class BrowserCase(HubCase):
@@ -929,18 +940,14 @@ class Chromium:
         return result["result"].get("value")
 
     def wait_for(self, expression, timeout=5.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def value():
             try:
-                value = self.evaluate(expression)
+                return self.evaluate(expression)
             except RuntimeError as exc:  # asked while the page navigates (a reload): ask the new page
                 if "navigated or closed" not in str(exc) and "context" not in str(exc):
                     raise
-                value = None
-            if value:
-                return value
-            time.sleep(0.05)
-        raise AssertionError("timed out waiting for: " + expression)
+                return None
+        return eventually(value, timeout, "the page to make this true: " + expression)
 
     SHIFT, CTRL = 8, 2  # CDP modifier bits
 
@@ -1034,19 +1041,6 @@ def toolbar_element(selector):
     return "document.getElementById('pinbox-toolbar-host').shadowRoot.querySelector(%s)" % json.dumps(selector)
 
 
-def eventually(check, timeout=10, what="the condition"):
-    """check()'s first truthy value, asked again until `timeout` seconds pass (a hang
-    guard, not a timing assertion); fails saying `what` never came."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = check()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError("never happened within %g s: %s" % (timeout, what))
-        time.sleep(0.05)
-
-
 def drop_pin(browser, target, text):
     """A person drops a pin: the toolbar's button, a click on the element, the comment,
     Submit. Waits for its marker."""
@@ -1121,10 +1115,8 @@ class TestStore(PinboxCase):
                                     stderr=subprocess.PIPE, stdin=subprocess.PIPE)
             if args == ("serve",):
                 wal = os.path.join(repo, ".pinbox", "pinbox.db-wal")
-                deadline = time.monotonic() + 20  # hang guard
-                while not os.path.exists(os.path.join(repo, ".pinbox", "server.json")) or not os.path.exists(wal):
-                    self.assertLess(time.monotonic(), deadline, "the hub did not start")
-                    time.sleep(0.02)
+                eventually(lambda: os.path.exists(os.path.join(repo, ".pinbox", "server.json")) and os.path.exists(wal),
+                           20, "the hub started: its server.json and the store's WAL file")
                 modes = {name: os.stat(os.path.join(repo, ".pinbox", name)).st_mode & 0o777
                          for name in ("pinbox.db", "pinbox.db-wal", "pinbox.db-shm")}
                 self.assertEqual(modes, dict.fromkeys(modes, 0o600), modes)
@@ -2415,10 +2407,8 @@ class TestAgentsLeftRunning(unittest.TestCase):
         self.assertTrue(started)
         self.assertEqual(pinbox.process_start(proc.pid), started)
         proc.kill()
-        deadline = time.monotonic() + 10  # hang guard: until it is a zombie (not reaped yet)
-        while open("/proc/%d/stat" % proc.pid).read().rsplit(")", 1)[1].split()[0] != "Z":
-            self.assertLess(time.monotonic(), deadline)
-            time.sleep(0.01)
+        eventually(lambda: open("/proc/%d/stat" % proc.pid).read().rsplit(")", 1)[1].split()[0] == "Z", 10,
+                   "the killed process a zombie (not reaped yet)")
         self.assertIsNone(pinbox.process_start(proc.pid))  # dead, though not yet reaped
 
     def test_a_hub_ends_only_the_agents_a_dead_hub_wrote_down(self):
@@ -2761,14 +2751,13 @@ class TestResumeAndOpenClaw(DeliveryCase):
         sid = self.register_and_bind("claude", key)
         self.ok("session", "end", sid)
         self.ok("reply", self.bound["id"], "resume me")
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+        def child():
             try:
                 with open(marker) as handle:
                     return int(handle.read())  # once written whole: it is made before it is written
             except (OSError, ValueError):
-                time.sleep(0.05)
-        self.fail("the resumed claude never started its child")
+                return None
+        return eventually(child, 10, "the resumed claude to start its child (and write down its pid)")
 
     def test_a_hanging_resume_is_killed_with_its_children_and_delays_nothing_else(self):
         self.receiver("ok")
@@ -2778,8 +2767,8 @@ class TestResumeAndOpenClaw(DeliveryCase):
         self.ended_session("codex", "other")
         started = time.monotonic()
         other = self.bound_pin("webhook while a resume hangs", "codex", "other")
-        while not any(other["id"] in r["body"] for r in self.requests()) and time.monotonic() - started < 10:
-            time.sleep(0.02)
+        eventually(lambda: any(other["id"] in r["body"] for r in self.requests()), 10,
+                   "the other session's webhook at the receiver")
         self.assertLess(time.monotonic() - started, 1.0)
         started = time.monotonic()
         self.assertEqual(self.request("GET", "/health", token=False)[0], 200)
@@ -2788,10 +2777,7 @@ class TestResumeAndOpenClaw(DeliveryCase):
         resumed = [r for r in rows if r[1] == "resume"][0]
         self.assertEqual(resumed[2], "pending")  # a timeout is retried
         self.assertIn("timed out after 3000 ms", resumed[4])
-        deadline = time.monotonic() + 5
-        while pid_running(grandchild) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.assertFalse(pid_running(grandchild))
+        self.wait_gone(grandchild, 5)  # killed with the claude that timed out
 
     def test_a_hub_killed_while_an_agent_runs_never_lets_a_second_resume_overlap_it(self):
         """SIGKILL leaves the resumed agent running (its own process group); the next
@@ -2813,19 +2799,14 @@ class TestResumeAndOpenClaw(DeliveryCase):
                     return handle.read().split()
             except OSError:
                 return []
-        deadline = time.monotonic() + 20  # hang guard
-        while not lines():
-            self.assertLess(time.monotonic(), deadline, "claude was never resumed")
-            time.sleep(0.05)
+        eventually(lines, 20, "claude resumed by the first hub")
         first = int(lines()[1])
         self.addCleanup(lambda: pid_running(first) and os.killpg(first, signal.SIGKILL))
         self.proc.kill()
         self.proc.wait()
         self.assertTrue(pid_running(first))  # SIGKILL reached the hub, not the agent's group
         self.start_hub()
-        while len(lines()) < 4:
-            self.assertLess(time.monotonic(), deadline + 20, "claude was never resumed again")
-            time.sleep(0.05)
+        eventually(lambda: len(lines()) >= 4, 40, "claude resumed again by the next hub")
         second = int(lines()[3])
         self.addCleanup(lambda: pid_running(second) and os.killpg(second, signal.SIGKILL))
         self.assertEqual(lines()[::2], ["alone", "alone"])
@@ -3156,12 +3137,8 @@ class TestInbox(HookCase):
 
     def wait_parked(self, session, count=1):
         folder = os.path.join(self.repo, ".pinbox", "inbox-wait")
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if os.path.isdir(folder) and len([n for n in os.listdir(folder) if n.startswith(session)]) >= count:
-                return
-            time.sleep(0.02)
-        self.fail("no reader parked on %s" % session)
+        eventually(lambda: os.path.isdir(folder) and len([n for n in os.listdir(folder) if n.startswith(session)])
+                   >= count, 10, "%d reader(s) parked on %s" % (count, session))
 
     def test_a_wait_cut_short_exits_2(self):
         waiter = subprocess.Popen([sys.executable, "-c", BOOT, "agent", "inbox", "--wait", "--timeout", "20000"],
@@ -3287,9 +3264,7 @@ class TestInboxOverHttp(HubCase):
         for thread in threads:
             thread.start()
         folder = os.path.join(self.repo, ".pinbox", "inbox-wait")
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and (not os.path.isdir(folder) or len(os.listdir(folder)) < 200):
-            time.sleep(0.05)
+        eventually(lambda: os.path.isdir(folder) and len(os.listdir(folder)) >= 200, 30, "200 readers parked")
         self.assertEqual(len(os.listdir(folder)), 200)
         self.assertEqual(sum(s["inbox"]["parked"] for s in self.call("GET", "/agent-inbox/summary")["data"]), 200)
         for session in ids:
@@ -3326,9 +3301,7 @@ class TestInboxOverHttp(HubCase):
 
     def wait_parked_folder(self):
         folder = os.path.join(self.repo, ".pinbox", "inbox-wait")
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not (os.path.isdir(folder) and os.listdir(folder)):
-            time.sleep(0.02)
+        eventually(lambda: os.path.isdir(folder) and os.listdir(folder), 10, "a reader parked in .pinbox/inbox-wait")
 
 
 # ============================================================================
