@@ -224,8 +224,8 @@ class PinboxCase(unittest.TestCase):
         self.assertEqual(envelope["error"]["code"], code)
         return envelope["error"]
 
-    def human(self, *args, cwd=None):
-        return on_terminal(args, cwd or self.repo, self.env)
+    def human(self, *args, cwd=None, env=None):
+        return on_terminal(args, cwd or self.repo, env or self.env)
 
     def lock_store(self, seconds=10):
         """Another process holds the store's write lock for `seconds`."""
@@ -246,8 +246,8 @@ class PinboxCase(unittest.TestCase):
     def db_path(self):
         return os.path.join(self.repo, ".pinbox", "pinbox.db")
 
-    def sql(self, query, *params):
-        conn = sqlite3.connect(self.db_path)
+    def sql(self, query, *params, repo=None):
+        conn = sqlite3.connect(os.path.join(repo, ".pinbox", "pinbox.db") if repo else self.db_path)
         try:
             return conn.execute(query, params).fetchall()
         finally:
@@ -3611,7 +3611,8 @@ class TestTheLoopOnThePage(BrowserCase):
 
 class Machine:
     """One clone of the team's repository on a machine of its own: its own HOME, state
-    folder, git identity and store."""
+    folder, git identity and store. Its commands are the case's own (PinboxCase), run
+    in its clone with its environment."""
 
     def __init__(self, case, name, url):
         self.case, self.name = case, name
@@ -3624,22 +3625,18 @@ class Machine:
         git(self.repo, "config", "user.email", "%s@example.com" % name)
         self.ok("init")
 
-    def run(self, *args, stdin=b"", env=None, timeout=60):
-        done = subprocess.run([sys.executable, "-c", BOOT] + [str(a) for a in args], cwd=self.repo,
-                              env=dict(self.env, **(env or {})), input=stdin if isinstance(stdin, bytes) else
-                              stdin.encode(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout)
-        return Result(done.returncode, done.stdout.decode("utf-8", "replace"), done.stderr.decode("utf-8", "replace"))
+    def run(self, *args, env=None, **kw):
+        """`env`: variables to add to this machine's for one command."""
+        return self.case.run_pinbox(*args, cwd=self.repo, env=dict(self.env, **(env or {})), **kw)
 
-    def ok(self, *args, **kw):
-        result = self.run(*args, **kw)
-        self.case.assertEqual(result.code, 0, result)
-        return result.json["data"]
+    def ok(self, *args, env=None, **kw):
+        return self.case.ok(*args, cwd=self.repo, env=dict(self.env, **(env or {})), **kw)
 
     def sync(self):
         return self.ok("sync")
 
     def human(self, *args):
-        return on_terminal(args, self.repo, self.env)
+        return self.case.human(*args, cwd=self.repo, env=self.env)
 
     def inject(self, key, agent="claude"):
         out = self.run("session", "inject", "--hook", "--agent", agent,
@@ -3647,11 +3644,7 @@ class Machine:
         return json.loads(out)["hookSpecificOutput"]["additionalContext"] if out else ""
 
     def sql(self, query, *params):
-        conn = sqlite3.connect(os.path.join(self.repo, ".pinbox", "pinbox.db"))
-        try:
-            return conn.execute(query, params).fetchall()
-        finally:
-            conn.close()
+        return self.case.sql(query, *params, repo=self.repo)
 
     def state(self):
         """What a person sees, minus what is this machine's own (numbers, file paths,
@@ -3677,10 +3670,7 @@ class Machine:
         self.case.addCleanup(hub.wait)
         self.case.addCleanup(hub.terminate)
         server_json = os.path.join(self.repo, ".pinbox", "server.json")
-        deadline = time.monotonic() + 10  # hang guard
-        while not os.path.exists(server_json):
-            self.case.assertLess(time.monotonic(), deadline, "the hub did not start")
-            time.sleep(0.05)
+        eventually(lambda: os.path.exists(server_json), 10, "%s's hub listening (its server.json)" % self.name)
         state = os.path.join(self.env["XDG_STATE_HOME"], "pinbox")
         with open(os.path.join(state, os.listdir(state)[0], "hub.json")) as handle:
             info = json.load(handle)
@@ -3698,8 +3688,9 @@ class Machine:
         return answer["data"]
 
 
-class SyncCase(unittest.TestCase):
-    """A bare repository as the team's remote, and machines cloned from it."""
+class SyncCase(PinboxCase):
+    """A bare repository as the team's remote, and machines cloned from it (each with
+    its own clone and environment: no repo or env of the case's own)."""
 
     def setUp(self):
         self.tmp = tempfile.mkdtemp(prefix="pinbox-sync-")
@@ -3721,6 +3712,24 @@ class SyncCase(unittest.TestCase):
     def remote_refs(self, pattern="refs/"):
         return git(self.remote, "for-each-ref", "--format=%(refname) %(objectname)", pattern)
 
+    def witness(self, **timings):
+        """A machine on a remote of its own with sync on, its hub run with `timings`:
+        what a hub allowed to sync does meanwhile shows the time another hub had."""
+        remote = os.path.join(self.tmp, "witness.git")
+        git(self.tmp, "clone", "-q", "--bare", self.remote, remote)
+        machine = Machine(self, "witness", remote)
+        machine.sync()  # the person's choice: its hub syncs on its own from now on
+        machine.serve(**timings)
+        return machine
+
+    def background_syncs(self, witness, count=3):
+        """Returns once the witness's hub has synced `count` changes made one after
+        another, each pushed by a later round of its background sync."""
+        for n in range(count):
+            witness.ok("pin", "witness %d" % n)
+            eventually(lambda: witness.ok("sync", "--status")["waiting"] == 0, 20,
+                       "the witness hub's own sync of its change %d" % n)
+
     def git_daemon(self):
         """`git daemon` serving the remote on 127.0.0.1 (pushes allowed): its git:// URL."""
         port = closed_port()
@@ -3733,11 +3742,8 @@ class SyncCase(unittest.TestCase):
         self.addCleanup(daemon.wait)
         self.addCleanup(os.killpg, daemon.pid, signal.SIGKILL)
         url = "git://127.0.0.1:%d/team.git" % port
-        deadline = time.monotonic() + 10  # hang guard
-        while subprocess.run(["git", "ls-remote", url], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env=self.base_env).returncode != 0:
-            self.assertLess(time.monotonic(), deadline, "git daemon did not come up")
-            time.sleep(0.1)
+        eventually(lambda: subprocess.run(["git", "ls-remote", url], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          env=self.base_env).returncode == 0, 10, "git daemon answering ls-remote")
         return url
 
 
@@ -3864,9 +3870,11 @@ class TestSync(SyncCase):
 
     def test_nothing_leaves_before_the_first_explicit_sync_and_nothing_after_off(self):
         a, b = self.machines()
-        a.serve(PINBOX_SYNC_INTERVAL_MS="200", PINBOX_SYNC_DELAY_MS="50")
+        timings = dict(PINBOX_SYNC_INTERVAL_MS="200", PINBOX_SYNC_DELAY_MS="50")
+        a.serve(**timings)
+        witness = self.witness(**timings)
         a.ok("pin", "a screenshot of an internal app")
-        time.sleep(0.8)  # the hub had time for several syncs, had they been allowed
+        self.background_syncs(witness)  # A's hub had time for several syncs, had they been allowed
         self.assertEqual(self.remote_refs("refs/pinbox/"), "")
         self.assertEqual(a.ok("sync", "--status")["enabled"], False)
         a.sync()
@@ -3875,7 +3883,7 @@ class TestSync(SyncCase):
         self.assertEqual(off["enabled"], False)
         before = self.remote_refs("refs/pinbox/")
         a.ok("pin", "after off")
-        time.sleep(0.8)
+        self.background_syncs(witness)
         self.assertEqual(self.remote_refs("refs/pinbox/"), before)
         self.assertEqual(a.ok("sync", "--status")["waiting"], 1)
 
@@ -3886,10 +3894,7 @@ class TestSync(SyncCase):
         for machine in (a, b):
             machine.serve(PINBOX_SYNC_INTERVAL_MS="500", PINBOX_SYNC_DELAY_MS="100")
         made = a.ok("pin", "made on A while both hubs run")
-        deadline = time.monotonic() + 20  # hang guard
-        while made["id"] not in [p["id"] for p in b.ok("list")]:
-            self.assertLess(time.monotonic(), deadline, "B's hub never brought the pin in")
-            time.sleep(0.2)
+        eventually(lambda: made["id"] in [p["id"] for p in b.ok("list")], 20, "B's hub bringing in A's pin")
         status = b.ok("sync", "--status")
         self.assertIsNone(status.get("lastError"))
         self.assertEqual([d["events"] for d in status["devices"]], [1])
@@ -4523,24 +4528,25 @@ class TestSync(SyncCase):
                 except OSError:
                     pass
         self.addCleanup(end_leftovers)
-        deadline = time.monotonic() + 20  # hang guard
-        while not hanging():
-            self.assertLess(time.monotonic(), deadline, "git never reached its ssh")
-            time.sleep(0.05)
+        eventually(hanging, 20, "git reaching its (hanging) ssh")
         proc.send_signal(signal.SIGINT)  # Ctrl-C: the terminal signals pinbox's group, not git's
         proc.wait(timeout=20)
-        deadline = time.monotonic() + 10
-        while hanging() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.assertEqual(hanging(), [])
+        eventually(lambda: hanging() == [], 10, lambda: "no git left behind; still there: %s" % hanging())
 
     def test_a_remote_that_refuses_one_that_is_gone_and_none_at_all(self):
         a, b = self.machines()
-        hook = os.path.join(self.remote, "hooks", "pre-receive")
+        hook, refusals = os.path.join(self.remote, "hooks", "pre-receive"), os.path.join(self.tmp, "refusals")
         with open(hook, "w") as handle:
-            handle.write("#!/bin/sh\nwhile read old new ref; do case $ref in refs/pinbox/*) "
-                         "echo 'pinbox refs are not allowed here' >&2; exit 1;; esac; done\n")
+            handle.write("#!/bin/sh\nwhile read old new ref; do case $ref in refs/pinbox/*) echo \"$ref\" >> %s; "
+                         "echo 'pinbox refs are not allowed here' >&2; exit 1;; esac; done\n" % shlex.quote(refusals))
         os.chmod(hook, 0o755)
+
+        def refused_pushes():
+            try:
+                with open(refusals) as handle:
+                    return len(handle.read().splitlines())
+            except FileNotFoundError:
+                return 0
         a.serve(PINBOX_SYNC_INTERVAL_MS="200", PINBOX_SYNC_DELAY_MS="50")
         made = a.ok("pin", "kept whatever the remote says")
         refused = a.run("sync")
@@ -4552,7 +4558,8 @@ class TestSync(SyncCase):
         self.assertEqual([p["id"] for p in a.ok("list")], [made["id"]])
         self.assertIn("E_REMOTE", a.ok("sync", "--status")["lastError"])
         self.assertIn(made["id"], a.inject("ka"))  # the hooks go on as before
-        time.sleep(0.5)  # the hub's own syncs are refused too, and it goes on serving
+        # The hub's own syncs are refused too (a push after the explicit one), and it goes on serving.
+        eventually(lambda: refused_pushes() >= 2, 20, "a push of the hub's own refused by the remote")
         self.assertEqual(a.api("GET", "/health")["version"], pinbox.VERSION)
         self.assertIn("pinbox refs are not allowed here", a.api("GET", "/sync")["lastError"])
         self.assertEqual(self.remote_refs("refs/pinbox/"), "")
