@@ -619,6 +619,26 @@ def closed_port():
     return port
 
 
+def hub_sockets(pid):
+    """The sockets a process holds open (by inode), its listening ones among them."""
+    found = set()
+    for fd in os.listdir("/proc/%d/fd" % pid):
+        try:
+            target = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:"):
+            found.add(target)
+    return found
+
+
+def catches(pid, signum):
+    """Whether a process has a handler of its own for `signum` (SigCgt in /proc)."""
+    with open("/proc/%d/status" % pid) as handle:
+        mask = [line.split()[1] for line in handle if line.startswith("SigCgt:")][0]
+    return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
 def pid_running(pid):
     try:
         os.kill(pid, 0)
@@ -4979,15 +4999,18 @@ def start_vite(test, vite, cwd):
     proc = subprocess.Popen([vite, "--host", "127.0.0.1", "--port", str(port), "--strictPort"], cwd=cwd,
                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     test.addCleanup(lambda: (os.killpg(proc.pid, signal.SIGKILL), proc.wait()))
-    deadline = time.monotonic() + 30
-    while True:
+    said = lambda: open(os.path.join(test.tmp, "vite.log")).read()  # noqa: E731
+
+    def listening():
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return port
+            return True
         except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                test.fail("vite did not start: %s" % open(os.path.join(test.tmp, "vite.log")).read())
-            time.sleep(0.1)
+            if proc.poll() is not None:
+                test.fail("vite did not start: %s" % said())
+            return False
+    eventually(listening, 30, lambda: "vite listening on port %d; it said: %s" % (port, said()))
+    return port
 
 
 class TestEvidenceInChromium(BrowserCase):
@@ -5414,6 +5437,8 @@ while not stop.is_set():
     conn.request("POST", path, body, {"Authorization": "Bearer " + token, "Content-Type": "application/json"})
     answer = conn.getresponse()
     answer.read()
+    if not codes:
+        print("writing", flush=True)  # its first write is answered
     codes[answer.status] = codes.get(answer.status, 0) + 1
 print(json.dumps(codes))
 """
@@ -5692,6 +5717,7 @@ class TestHubApi(HubCase):
     def test_five_hundred_open_streams_and_a_503_past_the_cap(self):
         """250 event streams and 250 inbox long-polls stay open while four writers post
         pins and replies: /health keeps answering at once."""
+        import select
         import statistics
         streams = []
         self.addCleanup(lambda: [s.close() for s in streams])
@@ -5704,15 +5730,14 @@ class TestHubApi(HubCase):
             sock.sendall(b"GET /stream?token=%s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" % self.token.encode()
                          if i % 2 else long_poll)
             streams.append(sock)
-        deadline = time.monotonic() + 20
-        while self.open_fds() < 500 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        eventually(lambda: self.open_fds() >= 500, 20, "the hub holding the 500 connections open")
         # The writers are processes of their own: threads here would share this process's
         # interpreter lock with the /health probe and add their waits to its timings.
         writers = [subprocess.Popen([sys.executable, "-c", HTTP_WRITER, str(self.port), self.token,
                                      "/pins" if i % 2 else "/pins/%s/thread" % pin], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE) for i in range(4)]
-        time.sleep(0.5)  # their interpreters start on the same two cores: timed once they write
+        # Their interpreters start on the same two cores: timed once each has written.
+        self.assertEqual([proc.stdout.readline() for proc in writers], [b"writing\n"] * 4)
         latencies = []
         try:
             for _ in range(50):
@@ -5727,24 +5752,26 @@ class TestHubApi(HubCase):
         print("\n  /health with 250 streams and 250 long-polls open and 4 writers (%d writes): median %.1f ms, "
               "max %.1f ms" % (sum(written), statistics.median(latencies) * 1000, max(latencies) * 1000))
         self.assertLess(statistics.median(latencies), 0.1)
+        past = []
         for _ in range(pinbox.MAX_CONNECTIONS - 500 + 5):
             sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
             sock.sendall(b"GET /stream?token=%s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" % self.token.encode())
-            streams.append(sock)
-        time.sleep(0.5)
+            past.append(sock)
+        streams.extend(past)
+        # The hub has taken each in turn: a stream's head (the last slots), else a 503.
+        eventually(lambda: len(select.select(past, [], [], 0)[0]) == len(past), 20,
+                   "an answer on each connection past the 500")
         code, _, headers = self.request("GET", "/health", token=False)
         self.assertEqual((code, headers.get("retry-after")), (503, "1"))  # refused at once, not hung
         for sock in streams:
             sock.close()
         streams.clear()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
+        def healthy():
             try:
-                if self.request("GET", "/health", token=False)[0] == 200:
-                    break
+                return self.request("GET", "/health", token=False)[0] == 200
             except OSError:
-                pass
-            time.sleep(0.2)
+                return False
+        eventually(healthy, 20, "/health answering 200 again once the streams closed")
         self.assertEqual(self.request("GET", "/health", token=False)[0], 200)  # and back once they close
         self.assertNotIn(b"Traceback", self.proc_stderr_so_far())
 
@@ -6213,6 +6240,7 @@ class TestHubWireFuzz(HubCase):
         stop = threading.Event()
         slow_results = []
 
+        quiet = hub_sockets(self.proc.pid)  # its listening sockets: no client connected yet
         idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(self.IDLE_CLIENTS)]
         kinds = [("get", "post", "stall")[i % 3] for i in range(self.SLOW_CLIENTS)]
         threads = [threading.Thread(target=slow_wire_client, args=(cases, kind, self.SLOW_GAP, stop, slow_results),
@@ -6250,10 +6278,15 @@ class TestHubWireFuzz(HubCase):
                     health("after %d requests" % (n + 1))
             campaign = time.monotonic() - started
             # The slow requests are still trickling in: /health keeps being asked meanwhile.
-            deadline = time.monotonic() + (60 if self.FULL else 20)
-            while time.monotonic() < deadline and any(t.is_alive() for t in threads if t.name != "stall"):
+            def slow_clients_done():
+                if not any(t.is_alive() for t in threads if t.name != "stall"):
+                    return True
                 health("while slow clients trickle")
-                time.sleep(0.5)
+                return False
+            try:
+                eventually(slow_clients_done, 60 if self.FULL else 20, "the slow clients done")
+            except AssertionError:
+                pass  # told below with the other problems: "only N of M slow clients finished"
             stop.set()
             for thread in threads:
                 thread.join(5)
@@ -6262,7 +6295,10 @@ class TestHubWireFuzz(HubCase):
             stop.set()
             for sock in idle:
                 sock.close()
-        time.sleep(0.3)  # an RST or a close at the very end is handled (and would be logged) by now
+        # An RST or a close at the very end is handled (and would be logged) once the hub has
+        # closed its side of every connection: a handler logs its exception before that.
+        eventually(lambda: hub_sockets(self.proc.pid) <= quiet, 10,
+                   lambda: "the hub done with every connection (sockets left: %s)" % (hub_sockets(self.proc.pid) - quiet))
         for line in re.findall(rb"^(\w+(?:Error|Exception)\b[^\n]*)$", note_stderr()[seen_err[0]:], re.M):
             raised.setdefault(line, list(recent))
         for line, inputs in raised.items():
@@ -6381,10 +6417,8 @@ class TestHubLive(HubCase):
         self.assertNotIn(b"Traceback", self.proc_stderr_so_far())
 
     def assert_no_toolbars_left(self):
-        deadline = time.monotonic() + 5
-        while self.api("GET", "/summary")["connectedToolbars"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.assertEqual(self.api("GET", "/summary")["connectedToolbars"], 0)
+        eventually(lambda: self.api("GET", "/summary")["connectedToolbars"] == 0, 5,
+                   lambda: "no toolbar left connected (/summary says %d)" % self.api("GET", "/summary")["connectedToolbars"])
 
     def test_websocket_refusals(self):
         for protocols, path in ((None, "/ws"), (["pinbox.token.wrong"], "/ws"), (None, "/ws?token=wrong")):
