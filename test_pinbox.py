@@ -6868,9 +6868,7 @@ class TestSecurity(DeliveryCase):
         self.addCleanup(waiter.wait)
         self.addCleanup(waiter.kill)
         folder = os.path.join(self.repo, ".pinbox", "inbox-wait")
-        deadline = time.monotonic() + 10
-        while not (os.path.isdir(folder) and os.listdir(folder)) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        eventually(lambda: os.path.isdir(folder) and os.listdir(folder), 10, "the reader parked in .pinbox/inbox-wait")
         fifo = os.path.join(folder, os.listdir(folder)[0])
         self.assertEqual(os.stat(fifo).st_mode & 0o777, 0o600)
         self.ok("agent", "post", sid, "wake")
@@ -6887,9 +6885,7 @@ class TestSecurity(DeliveryCase):
         hub = self.wait_hub_json(lambda data: data["pid"] != self.proc.pid)
         self.addCleanup(lambda: pid_running(hub["pid"]) and os.kill(hub["pid"], signal.SIGKILL))
         os.kill(hub["pid"], signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while pid_running(hub["pid"]) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        self.wait_gone(hub["pid"])
         log = os.path.join(self.repo, ".pinbox", "hub.log")
         self.assertEqual(os.stat(log).st_mode & 0o777, 0o600)
         with open(log) as handle:
@@ -7013,7 +7009,10 @@ class TestSecurity(DeliveryCase):
         for argv in calls:
             self.assertEqual(argv[-2], "--text")
             self.assertIn(flat, argv[-1])
-        time.sleep(0.2)
+        # Every agent ran to its end (a row is delivered after that, and the hub writes down each
+        # agent it runs until it ends): a shell, had one read the text, would have run it by now.
+        agents = os.path.join(self.state, "agents")
+        eventually(lambda: not os.path.isdir(agents) or not os.listdir(agents), 10, "the hub running no agent")
         self.assertEqual([n for n in os.listdir(self.tmp) if n in ("m%d" % i for i in range(1, 8))], [])
         self.assertEqual([n for n in os.listdir(self.repo) if n.startswith("m")], [])
 
@@ -7747,10 +7746,8 @@ class TestHubLifecycle(HubCase):
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.addCleanup(self.stop_hub, second)
         self.wait_hub_json(lambda data: True)  # (this project's)
-        deadline = time.monotonic() + 20  # hang guard
-        while not os.path.exists(os.path.join(other, ".pinbox", "server.json")):
-            self.assertLess(time.monotonic(), deadline, "the second hub did not start")
-            time.sleep(0.05)
+        eventually(lambda: os.path.exists(os.path.join(other, ".pinbox", "server.json")), 20,
+                   "the second project's hub listening (its server.json)")
         stopped = self.ok("stop")["stopped"]
         self.assertEqual([(s["pid"], s["project"]) for s in stopped], [(self.proc.pid, self.repo)])
         self.assertEqual(self.proc.wait(timeout=10), 0)
@@ -7803,7 +7800,14 @@ class TestHubLifecycle(HubCase):
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
         conn.request("GET", "/stream?token=" + self.token)
         answer = conn.getresponse()  # kept: dropping it would close the socket
-        time.sleep(2.5)
+        # A hub of another project, started now with nothing open and a longer idle time
+        # (2.5 s), idles out: this one has had more than its 1.5 s without a request.
+        other = os.path.join(self.tmp, "other")
+        git(self.tmp, "init", "-q", other)
+        witness = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=other, env=dict(self.env, PINBOX_IDLE_MS="2500"),
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.addCleanup(self.stop_hub, witness)
+        self.assertEqual(witness.wait(timeout=30), 0)
         self.assertIsNone(self.proc.poll())  # a page is listening
         answer.close()
         conn.close()
@@ -7854,8 +7858,10 @@ class TestHubLifecycle(HubCase):
 
     def test_a_second_signal_ends_a_hub_whose_teardown_hangs(self):
         self.lock_store(60)  # the teardown's write waits on this lock (its busy timeout is 10 s)
+        self.assertTrue(catches(self.proc.pid, signal.SIGTERM))
         self.proc.terminate()
-        time.sleep(0.5)
+        # Its handler took the first one: it leaves the next signal to the default action.
+        eventually(lambda: not catches(self.proc.pid, signal.SIGTERM), 10, "the hub's handler taking the first SIGTERM")
         self.proc.terminate()
         self.proc.wait(timeout=5)  # hang guard, well under the 10 s the lock would hold it
 
