@@ -9340,6 +9340,14 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     return el;
   }
 
+  // fill(), but what draws the same is left as it is: a list redrawn on a timer keeps the
+  // element under the pointer, so a press and its release land on one element (a click).
+  function refill(el, ...kids) {
+    const next = fill(el.cloneNode(false), ...kids);
+    if (next.innerHTML !== el.innerHTML) el.replaceChildren(...next.childNodes);
+    return el;
+  }
+
   // Wraps a handler so a bug in the toolbar becomes a toast, never a page error.
   function guard(fn) {
     return function (...args) {
@@ -10853,7 +10861,11 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     state.drawerTab = state.drawerTab || 'open';
     ui.search = h('input', { type: 'search', 'data-pinbox': 'search', 'aria-label': 'Search pins', placeholder: 'Search...',
       oninput: () => renderDrawer() });
-    ui.tabs = h('div', { class: 'tabs', role: 'tablist', 'aria-label': 'Pin status' });
+    // Made once and relabelled in place: the list is redrawn every second, and a control
+    // replaced between a press and its release would swallow the click.
+    ui.tabs = h('div', { class: 'tabs', role: 'tablist', 'aria-label': 'Pin status' }, ['open', 'resolved'].map((tab) =>
+      h('button', { type: 'button', role: 'tab', class: 'tab', 'data-pinbox': 'tab-' + tab,
+        onclick: () => { state.drawerTab = tab; renderDrawer(); } })));
     ui.drawerList = h('div', { class: 'drawer-list' });
     ui.drawer = h('aside', { class: 'panel drawer', 'data-pinbox': 'drawer', role: 'dialog', 'aria-label': 'All pins' },
       h('div', { class: 'head' }, h('strong', null, 'Pins'), h('span', { class: 'grow' }),
@@ -10892,9 +10904,12 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     const all = Array.from(state.pins.values());
     const counts = { open: 0, resolved: 0 };
     for (const pin of all) counts[pin.status === 'resolved' ? 'resolved' : 'open']++;
-    fill(ui.tabs, ['open', 'resolved'].map((tab) => h('button', { type: 'button', role: 'tab', class: 'tab',
-      'data-pinbox': 'tab-' + tab, 'aria-selected': String(state.drawerTab === tab),
-      onclick: () => { state.drawerTab = tab; renderDrawer(); } }, (tab === 'open' ? 'Open' : 'Resolved') + ' (' + counts[tab] + ')')));
+    for (const button of ui.tabs.children) {
+      const tab = button.getAttribute('data-pinbox').slice(4);
+      const label = (tab === 'open' ? 'Open' : 'Resolved') + ' (' + counts[tab] + ')';
+      if (button.textContent !== label) button.textContent = label;
+      button.setAttribute('aria-selected', String(state.drawerTab === tab));
+    }
     const shown = all.filter((pin) => (pin.status === 'resolved' ? 'resolved' : 'open') === state.drawerTab &&
       (!query || (pin.text + ' ' + where(pin) + ' ' + ((pin.target && pin.target.url) || '')).toLowerCase().includes(query)));
     const groups = new Map();
@@ -10904,7 +10919,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       groups.get(key).push(pin);
     }
     const keys = Array.from(groups.keys()).sort((a, b) => (a === '' ? -1 : b === '' ? 1 : a < b ? -1 : 1));
-    fill(ui.drawerList, shown.length ? keys.map((key) => h('section', { class: 'group', 'data-pinbox': 'group', 'data-page': key || location.origin + location.pathname },
+    refill(ui.drawerList, shown.length ? keys.map((key) => h('section', { class: 'group', 'data-pinbox': 'group', 'data-page': key || location.origin + location.pathname },
       h('div', { class: 'group-head' }, (key === '' ? 'This page' : key) + ' (' + groups.get(key).length + ')'),
       groups.get(key).map(safeItem))) : h('div', { class: 'empty' }, query ? 'No pin matches.' : 'No ' + state.drawerTab + ' pins.'));
     const again = focused && ui.drawer.querySelector(focused);

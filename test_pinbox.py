@@ -10767,6 +10767,47 @@ class TestToolbarInChromium(HubCase):
         return ("(() => { const root = document.getElementById('pinbox-toolbar-host').shadowRoot; return %s; })()"
                 % expression)
 
+    def test_a_click_in_the_drawer_survives_a_redraw_between_press_and_release(self):
+        """The drawer redraws every second and on every event. Its tabs were made anew each
+        time, so a redraw between the mouse's press and its release swallowed the click
+        (seen in CI as a Resolved tab that never opened, under load)."""
+        url = self.page("/", "<!doctype html><meta charset=utf-8><title>Home</title><h1>Home</h1>")
+        self.api("POST", "/pins", {"text": "first", "author": {"userId": "u"}, "target": {"url": url, "selector": "h1"}},
+                 201)
+        b = self.browser
+        b.open(url)
+        b.wait_for(self.in_shadow("root.querySelectorAll('[data-pinbox=\"marker\"]').length === 1"), 10)
+        b.key("i")
+        tab = toolbar_element('[data-pinbox="tab-resolved"]')
+        b.wait_for(self.in_shadow("!!root.querySelector('[data-pinbox=\"tab-resolved\"]')"))
+        x, y = b.centre(tab)
+        b.mouse("mouseMoved", x, y)
+        b.mouse("mousePressed", x, y)
+        # A pin resolved elsewhere while the button is held: the drawer is redrawn (a count
+        # changes; nothing moves).
+        self.ok("resolve", self.api("POST", "/pins", {"text": "second", "author": {"userId": "u"}}, 201)["id"])
+        b.wait_for(self.in_shadow("root.querySelector('[data-pinbox=\"tab-resolved\"]').textContent === "
+                                  "'Resolved (1)'"), 10)
+        b.mouse("mouseReleased", x, y)
+        b.wait_for(self.in_shadow("root.querySelector('[data-pinbox=\"tab-resolved\"]')"
+                                  ".getAttribute('aria-selected') === 'true'"))
+        self.assertEqual(b.evaluate(self.in_shadow("root.querySelector('.drawer-list .item-text').textContent")),
+                         "second")
+        # The list itself: a pin held through two of the drawer's own redraws (each one sets
+        # the tabs' aria-selected again, which the page can count) still opens.
+        b.click_at(toolbar_element('[data-pinbox="tab-open"]'))
+        item = toolbar_element('[data-pinbox="drawer-pin"]')
+        b.wait_for(self.in_shadow("(root.querySelector('[data-pinbox=\"drawer-pin\"] .item-text') || {})"
+                                  ".textContent === 'first'"))
+        x, y = b.centre(item)
+        b.mouse("mouseMoved", x, y)
+        b.mouse("mousePressed", x, y)
+        b.evaluate(self.in_shadow("(window.redraws = 0, new MutationObserver(() => window.redraws++).observe("
+                                  "root.querySelector('[data-pinbox=\"tab-open\"]'), {attributes: true}), 1)"))
+        b.wait_for("window.redraws >= 2", 10)
+        b.mouse("mouseReleased", x, y)
+        b.wait_for(self.in_shadow("!!root.querySelector('[data-pinbox=\"thread\"]')"))
+
     def test_the_drawer_lists_every_pin_by_page_and_copies_the_open_ones(self):
         url = self.page("/cart", "<!doctype html><meta charset=utf-8><title>Cart</title><h1>Cart</h1>"
                         "<div style='height:2400px'>long list</div><button id=pay>Pay</button>")
