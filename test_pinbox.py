@@ -1686,6 +1686,17 @@ class TestShapes(unittest.TestCase):
 # ============================================================================
 
 class TestPins(PinboxCase):
+    def test_one_function_inserts_a_pin_and_one_a_message_for_every_caller(self):
+        """The CLI, the hub, answers to questions and sync's import all go through them:
+        a pin's number, its index and its event are written one way."""
+        import ast
+        with open(SCRIPT, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read())
+        writers = sorted((table, top.name) for top in tree.body for node in ast.walk(top)
+                         if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                         for table in re.findall(r"INSERT INTO (pins|thread_messages)\(", node.value))
+        self.assertEqual(writers, [("pins", "insert_pin"), ("thread_messages", "insert_message")])
+
     def test_a_pin_says_whether_the_tree_differed_from_its_commit(self):
         git_commit(self.repo, "initial")
         self.assertIs(self.pin("clean tree")["env"]["dirty"], False)
