@@ -8130,6 +8130,22 @@ class TestMcpProtocol(unittest.TestCase):
         self.request("initialize", {"protocolVersion": "2024-11-05", "capabilities": {}})
         self.assertNotIn("annotations", self.request("tools/list")["result"]["tools"][0])  # ...2024-11-05 has not
 
+    def test_each_revision_gets_what_it_brought_from_its_own_date_on(self):
+        """The edge of each revision's fields: at exactly 2025-06-18 a tool has its title and
+        output schema (and a call its structured result), at exactly 2025-03-26 its
+        annotations but no title; 2024-11-05 has neither."""
+        shapes = {}
+        for version in ("2025-06-18", "2025-03-26", "2024-11-05"):
+            self.assertEqual(self.request("initialize", {"protocolVersion": version, "capabilities": {}})
+                             ["result"]["protocolVersion"], version)
+            tool = {t["name"]: t for t in self.request("tools/list")["result"]["tools"]}["list_pins"]
+            called = self.request("tools/call", {"name": "list_pins", "arguments": {}})["result"]
+            shapes[version] = (tool.get("title"), "outputSchema" in tool, "annotations" in tool,
+                               "structuredContent" in called)
+        self.assertEqual(shapes, {"2025-06-18": ("List pins", True, True, True),
+                                  "2025-03-26": (None, False, True, False),
+                                  "2024-11-05": (None, False, False, False)})
+
     def test_lone_surrogates_and_deep_nesting_get_answers_and_the_server_goes_on(self):
         """Once an id or a method with a lone surrogate ended the server without a word."""
         lines = [b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18"}}',
