@@ -8146,6 +8146,23 @@ class TestMcpProtocol(unittest.TestCase):
                                   "2025-03-26": (None, False, True, False),
                                   "2024-11-05": (None, False, False, False)})
 
+    def test_a_picture_beside_the_media_folder_is_never_sent(self):
+        """The edge of what show_pin reads: a picture in the store's media folder is sent, the
+        same picture one folder up (a path no hub of this store wrote) is not."""
+        media = os.path.join(self.tmp, ".pinbox", "media")
+        os.makedirs(media, exist_ok=True)
+        inside, beside = os.path.join(media, "att_0000000001.png"), os.path.join(self.tmp, ".pinbox", "att_0000000002.png")
+        for path, rgb in ((inside, (255, 0, 0)), (beside, (0, 0, 255))):
+            with open(path, "wb") as handle:
+                handle.write(make_png(1, 1, rgb))
+        pin = pinbox.create_pin(self.store, {"text": "logo", "attachments": [
+            {"id": "att_0000000001", "kind": "screenshot", "path": inside, "contentType": "image/png"},
+            {"id": "att_0000000002", "kind": "screenshot", "path": beside, "contentType": "image/png"}]})
+        self.request("initialize", {"protocolVersion": "2025-11-25", "capabilities": {}})
+        shown = self.request("tools/call", {"name": "show_pin", "arguments": {"id": pin["id"]}})["result"]
+        self.assertEqual([base64.b64decode(c["data"]) for c in shown["content"] if c["type"] == "image"],
+                         [make_png(1, 1, (255, 0, 0))])
+
     def test_lone_surrogates_and_deep_nesting_get_answers_and_the_server_goes_on(self):
         """Once an id or a method with a lone surrogate ended the server without a word."""
         lines = [b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18"}}',
