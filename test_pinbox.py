@@ -3862,6 +3862,12 @@ class TestSyncParts(unittest.TestCase):
                          (None, "an event over %d bytes" % pinbox.EVENT_LINE_LIMIT))
         self.assertEqual(pinbox.read_event(b"   ", device), (None, None))  # a blank line is nothing
 
+    def test_a_threads_messages_from_clocks_9_and_10_keep_clock_order(self):
+        """The edge of sort_key: the key of a message from clock 10 sorts after clock 9's (as
+        bare numbers in text, "10" would sort before "9")."""
+        device = "dev_eveeveeve9"
+        nine, ten = (pinbox.sort_key(sync_event(device, clock, "thread.message", {})) for clock in (9, 10))
+        self.assertLess(nine, ten)
 
 def new_pin_data(pin_id, text="a teammate's pin", **extra):
     return dict({"id": pin_id, "text": text, "kind": "note", "author": {"userId": "eve"},
