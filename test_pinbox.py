@@ -4544,6 +4544,17 @@ class TestSync(SyncCase):
         self.assertEqual(a.ok("sync", "--status")["enabled"], False)
         self.assertEqual(len(self.remote_refs("refs/pinbox/").splitlines()), 1)  # the one explicit sync
 
+    def test_of_two_claims_of_a_teammates_pin_the_first_keeps_it(self):
+        """The edge of refold's binding: a teammate's pin claimed at clock 2 and again at clock
+        3 stays with the first claim, for good."""
+        a = Machine(self, "a", self.remote)
+        eve = "dev_eveeveev10"
+        push_batch(a.repo, eve, [sync_event(eve, 1, "pin.created", new_pin_data("pin_claimedtw1"))] + [
+            sync_event(eve, clock, "pin.bound", {"id": "pin_claimedtw1", "agentSession": {"agent": "claude", "key": key}})
+            for clock, key in ((2, "first"), (3, "second"))])
+        a.sync()
+        self.assertEqual(a.ok("show", "pin_claimedtw1")["pin"]["agentSession"]["key"], "first")
+
     def test_a_person_at_a_terminal_reads_what_sync_did_and_where_it_stands(self):
         a, b = self.machines()
         a.ok("pin", "from a")
