@@ -4555,6 +4555,19 @@ class TestSync(SyncCase):
         a.sync()
         self.assertEqual(a.ok("show", "pin_claimedtw1")["pin"]["agentSession"]["key"], "first")
 
+    def test_a_teammates_resolve_at_clock_9_and_reopen_at_clock_10_leave_the_pin_open(self):
+        """The edge of refold's order: events are folded in total order (clock, device, id),
+        not by event id, where "dev_….10" comes before "dev_….9"."""
+        a = Machine(self, "a", self.remote)
+        eve = "dev_eveeveev11"
+        push_batch(a.repo, eve, [
+            sync_event(eve, 8, "pin.created", new_pin_data("pin_reopened01")),
+            sync_event(eve, 9, "pin.resolved", {"id": "pin_reopened01", "resolution": {"by": "agent", "note": "fixed"}}),
+            sync_event(eve, 10, "pin.verified", {"id": "pin_reopened01", "verification": {"outcome": "reopened"}})])
+        a.sync()
+        pin = a.ok("show", "pin_reopened01")["pin"]
+        self.assertEqual((pin["status"], pin.get("verification")), ("open", {"outcome": "reopened"}))
+
     def test_a_person_at_a_terminal_reads_what_sync_did_and_where_it_stands(self):
         a, b = self.machines()
         a.ok("pin", "from a")
