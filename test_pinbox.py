@@ -4568,6 +4568,23 @@ class TestSync(SyncCase):
         pin = a.ok("show", "pin_reopened01")["pin"]
         self.assertEqual((pin["status"], pin.get("verification")), ("open", {"outcome": "reopened"}))
 
+    def test_a_screenshot_of_exactly_the_cap_travels_and_one_byte_more_does_not(self):
+        """The edge of what a sync shares: a screenshot of exactly ATTACHMENT_LIMIT bytes goes
+        into the batch; one grown a byte past it after the hub took it stays behind."""
+        a = Machine(self, "a", self.remote)
+        a.serve()
+        pictures = [a.api("POST", "/attachments?kind=screenshot", b"\x89PNG\r\n\x1a\n" + bytes([n]) *
+                          (pinbox.ATTACHMENT_LIMIT - 8), "image/png")["attachment"] for n in (0, 1)]
+        with open(pictures[1]["path"], "ab") as handle:
+            handle.write(b"\0")
+        a.api("POST", "/pins", {"text": "The banner is cut off", "author": {"userId": "ann"}, "attachments": pictures,
+                                "target": {"selector": "h1", "url": "http://localhost:1/home"}})
+        a.sync()
+        ref = "refs/pinbox/devices/" + a.ok("sync", "--status")["device"]
+        listed = git(self.remote, "ls-tree", "-r", "-l", ref).splitlines()
+        self.assertEqual([line.split()[3:] for line in listed if "media/" in line],
+                         [[str(pinbox.ATTACHMENT_LIMIT), "media/" + os.path.basename(pictures[0]["path"])]])
+
     def test_a_person_at_a_terminal_reads_what_sync_did_and_where_it_stands(self):
         a, b = self.machines()
         a.ok("pin", "from a")
