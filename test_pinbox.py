@@ -4431,16 +4431,19 @@ class TestSync(SyncCase):
         eve = "dev_eveeveeve3"
         big = b"\x89PNG\r\n\x1a\n" + b"\0" * (5 * 1024 * 1024 + 1)
         small = make_png(4, 4, (1, 2, 3))
+        exact = big[:pinbox.ATTACHMENT_LIMIT]  # exactly the cap: fetched
         pin = new_pin_data("pin_withmedia1", attachments=[
             {"id": "att_bigbigbig1", "kind": "screenshot", "url": "/media/att_bigbigbig1.png"},
-            {"id": "att_smallsmal1", "kind": "screenshot", "url": "/media/att_smallsmal1.png"}])
+            {"id": "att_smallsmal1", "kind": "screenshot", "url": "/media/att_smallsmal1.png"},
+            {"id": "att_exactexac1", "kind": "screenshot", "url": "/media/att_exactexac1.png"}])
         push_batch(a.repo, eve, [sync_event(eve, 1, "pin.created", pin)],
-                   media={"att_bigbigbig1.png": big, "att_smallsmal1.png": small})
+                   media={"att_bigbigbig1.png": big, "att_smallsmal1.png": small, "att_exactexac1.png": exact})
         b.sync()
         media = os.path.join(b.repo, ".pinbox", "media")
-        self.assertEqual(sorted(os.listdir(media)), ["att_smallsmal1.png"])
+        self.assertEqual(sorted(os.listdir(media)), ["att_exactexac1.png", "att_smallsmal1.png"])
+        self.assertEqual(os.path.getsize(os.path.join(media, "att_exactexac1.png")), pinbox.ATTACHMENT_LIMIT)
         attachments = b.ok("show", "pin_withmedia1")["pin"]["attachments"]
-        self.assertEqual([("path" in x) for x in attachments], [False, True])
+        self.assertEqual([("path" in x) for x in attachments], [False, True, True])
         self.assertEqual(b.ok("sync", "--status")["lastSetAside"]["reason"],
                          "picture att_bigbigbig1.png is over 5242880 bytes: the pin comes without it")
         # Its size is asked first: git never hands its bytes over.
