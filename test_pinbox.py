@@ -3045,9 +3045,10 @@ class TestCommitResolution(PinboxCase):
         self.assertIn("nosuchcommit", error["message"])
 
     def test_by_agent_only_inside_an_agent(self):
-        # (OpenClaw's session variable marks its process too: an edge no other marker covers.)
+        # (Hermes's and OpenClaw's session variables mark their processes too: edges no other marker covers.)
         for env, expected in (({"CLAUDECODE": "1"}, "agent"), ({"PINBOX_SESSION": "ses_abcdefghij"}, "agent"),
                               ({"CODEX_THREAD_ID": "t1"}, "agent"), ({"OPENCLAW_SESSION_KEY": "agent:main:main"}, "agent"),
+                              ({"HERMES_SESSION_ID": "20250101_120000_abc123"}, "agent"),
                               ({"CODEX_HOME": "/x", "HERMES_HOME": "/y"}, "human")):
             pin = self.pin()
             self.commit("Fixes %s" % pin["id"], env=dict(self.env, **env))
