@@ -1126,7 +1126,9 @@ class TestIdsAndTimes(unittest.TestCase):
         self.assertEqual(pinbox.relative_age(at(now + 500), now), "just now")
 
     def test_numeric_settings_fall_back_on_garbage(self):
-        for raw, expected in (("", 600000), ("5000", 5000), ("not-a-number", 600000), ("-3", 600000)):
+        """A zero is garbage too (a delay or a limit of 0 would stall or refuse everything)."""
+        for raw, expected in (("", 600000), ("5000", 5000), ("not-a-number", 600000), ("-3", 600000), ("0", 600000),
+                              ("1", 1)):
             os.environ["PINBOX_TEST_SETTING"] = raw
             self.assertEqual(pinbox.env_number("PINBOX_TEST_SETTING", 600000), expected)
         del os.environ["PINBOX_TEST_SETTING"]
