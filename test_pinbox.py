@@ -2068,6 +2068,15 @@ class TestRouting(HookCase):
         self.assertIn(pin["id"], context)
         self.assertEqual(self.rows(), [(1, sid, "hooks", "delivered")])
 
+    def test_a_pull_row_escalates_after_ten_minutes_by_default(self):
+        """Without PINBOX_HOOKS_ESCALATE_MS a live session's prompt hook has ten minutes to
+        pull a pin before the row is due to escalate to a push."""
+        self.register("k1")
+        self.pin()
+        [(adapter, due, updated)] = self.sql("SELECT adapter, due_at, updated_at FROM deliveries")
+        self.assertEqual(adapter, "hooks")
+        self.assertAlmostEqual(pinbox.parse_iso(due) - pinbox.parse_iso(updated), 600, delta=5)
+
     def test_sticky_routing_keeps_a_pin_with_its_session(self):
         a = self.register("ka")
         pin = self.pin("Header wraps")
