@@ -2015,6 +2015,10 @@ class TestSessions(HookCase):
         self.assertEqual(mine["session"], sid)
         theirs = self.ok("reply", pin["id"], "me too", "--as", "agent", env=dict(self.env, CODEX_THREAD_ID="thread-9"))
         self.assertEqual(theirs["session"], codex)
+        hermes = self.register("20250101_120000_abc123", agent="hermes")  # Hermes's own variable names its session
+        spoken = self.ok("reply", pin["id"], "and me", "--as", "agent",
+                         env=dict(self.env, HERMES_SESSION_ID="20250101_120000_abc123"))
+        self.assertEqual(spoken.get("session"), hermes)
         self.assertEqual(self.ok("reply", pin["id"], "by flag", "--as", "agent", "--session", "claude:k1")["session"], sid)
         self.assertNotIn("session", self.ok("reply", pin["id"], "anonymous", "--as", "agent"))
         self.assertNotIn("session", self.ok("reply", pin["id"], "human", env=dict(self.env, PINBOX_SESSION=sid)))
