@@ -8971,6 +8971,21 @@ class TestHooksFailOpen(HookCase):
             self.assertEqual(handle.read(), b"\x00garbage" * 5000)
 
 
+class TestHookIdentity(HookCase):
+    """Which agent a hook runs for when --agent does not say: its environment, or the
+    shape of its payload."""
+
+    def register_unnamed(self, key, event, env=None):
+        """`session register --hook` without --agent; the (agent, key) of each session then."""
+        r = self.run_pinbox("session", "register", "--hook", stdin=payload(key, event, self.repo), env=env)
+        self.assertEqual((r.code, r.out), (0, ""), r)
+        return [(s["agent"], s["key"]) for s in self.ok("session", "list")]
+
+    def test_a_hermes_event_name_alone_says_hermes(self):
+        """Hermes's hook events (on_session_start …) name it with no variable of its own set."""
+        self.assertEqual(self.register_unnamed("h1", "on_session_start"), [("hermes", "h1")])
+
+
 class TestClaudeCode(AgentCase):
     AGENT = "claude"
 
