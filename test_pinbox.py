@@ -8985,6 +8985,11 @@ class TestHookIdentity(HookCase):
         """Hermes's hook events (on_session_start …) name it with no variable of its own set."""
         self.assertEqual(self.register_unnamed("h1", "on_session_start"), [("hermes", "h1")])
 
+    def test_codex_sandbox_alone_says_codex(self):
+        """A command Codex runs in its sandbox carries CODEX_SANDBOX, maybe without CODEX_THREAD_ID."""
+        self.assertEqual(self.register_unnamed("c1", "SessionStart", env=dict(self.env, CODEX_SANDBOX="seatbelt")),
+                         [("codex", "c1")])
+
 
 class TestClaudeCode(AgentCase):
     AGENT = "claude"
