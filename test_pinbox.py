@@ -3249,6 +3249,16 @@ class TestInbox(HookCase):
         self.fails("E_CONFLICT", 4, "agent", "post", self.a, "y" * 16000)  # past 512 KiB
         self.assertEqual(self.inbox(self.a)["pending"], 32)
 
+    def test_mail_expires_after_twelve_hours_not_minutes(self):
+        """Mail 13 minutes old, or just under 12 hours, is still delivered; the neighbouring
+        test shows 13 hours old is gone."""
+        for text, age in (("thirteen minutes old", 13 * 60), ("almost twelve hours old", 12 * 3600 - 600)):
+            message = self.post(self.b, text)
+            self.sql_write("UPDATE inbox SET posted_at = ? WHERE id = ?", pinbox.iso_time(time.time() - age),
+                           message["id"])
+        self.assertEqual([m["text"] for m in self.inbox(self.b)["messages"]],
+                         ["thirteen minutes old", "almost twelve hours old"])
+
     def test_expiry_forget_and_the_prompt_line(self):
         self.post(self.b, "old news")
         conn = sqlite3.connect(self.db_path)
