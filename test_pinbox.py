@@ -3259,6 +3259,17 @@ class TestInbox(HookCase):
         self.assertEqual([m["text"] for m in self.inbox(self.b)["messages"]],
                          ["thirteen minutes old", "almost twelve hours old"])
 
+    def test_an_inbox_fills_to_exactly_its_byte_cap(self):
+        """512 KiB of mail is accepted (32 messages of 16 KiB, the last one landing on the
+        cap exactly); one byte more is refused."""
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        for i in range(31):
+            pinbox.post_message(store, self.b, "z" * 16384)
+        store.close()
+        self.assertEqual(self.post(self.b, "z" * 16384)["pending"], 32)  # 524,288 bytes: the cap
+        error = self.fails("E_CONFLICT", 4, "agent", "post", self.b, "z")
+        self.assertIn("full (32 messages, 524288 bytes)", error["message"])
+
     def test_expiry_forget_and_the_prompt_line(self):
         self.post(self.b, "old news")
         conn = sqlite3.connect(self.db_path)
