@@ -2827,22 +2827,22 @@ class TestResumeAndOpenClaw(DeliveryCase):
 
     def test_a_hanging_resume_is_killed_with_its_children_and_delays_nothing_else(self):
         self.receiver("ok")
-        self.env["PINBOX_RESUME_TIMEOUT_MS"] = "3000"
+        self.env["PINBOX_RESUME_TIMEOUT_MS"] = "8000"
         grandchild = self.start_hanging_resume("stuck")
-        # Meanwhile a webhook for another session and an HTTP request go straight through.
+        # Meanwhile a webhook for another session and an HTTP request go straight through:
+        # both are done while the resume still hangs (its row not yet tried once). Timing
+        # them against a bound failed under load; the order is what matters.
         self.ended_session("codex", "other")
-        started = time.monotonic()
         other = self.bound_pin("webhook while a resume hangs", "codex", "other")
         eventually(lambda: any(other["id"] in r["body"] for r in self.requests()), 10,
                    "the other session's webhook at the receiver")
-        self.assertLess(time.monotonic() - started, 1.0)
-        started = time.monotonic()
         self.assertEqual(self.request("GET", "/health", token=False)[0], 200)
-        self.assertLess(time.monotonic() - started, 1.0)
-        rows = self.wait_rows(lambda rows: any(r[1] == "resume" and r[3] == 1 for r in rows), timeout=15)
+        self.assertEqual(self.sql("SELECT status, attempts FROM deliveries WHERE adapter = 'resume'"), [("pending", 0)])
+        self.assertTrue(pid_running(grandchild))
+        rows = self.wait_rows(lambda rows: any(r[1] == "resume" and r[3] == 1 for r in rows), timeout=30)
         resumed = [r for r in rows if r[1] == "resume"][0]
         self.assertEqual(resumed[2], "pending")  # a timeout is retried
-        self.assertIn("timed out after 3000 ms", resumed[4])
+        self.assertIn("timed out after 8000 ms", resumed[4])
         self.wait_gone(grandchild, 5)  # killed with the claude that timed out
 
     def test_a_hub_killed_while_an_agent_runs_never_lets_a_second_resume_overlap_it(self):
@@ -3176,9 +3176,9 @@ class TestInbox(HookCase):
 
     def test_wait_semantics(self):
         self.post(self.b, "already here")
-        started = time.monotonic()
-        self.assertEqual(len(self.ok("agent", "inbox", "--wait", "--timeout", "5000", env=self.as_(self.b))["messages"]), 1)
-        self.assertLess(time.monotonic() - started, 3)
+        # (A wait that waited would run into run_pinbox's 60 s hang guard.)
+        self.assertEqual(len(self.ok("agent", "inbox", "--wait", "--timeout", "120000",
+                                     env=self.as_(self.b))["messages"]), 1)
         # Seen but unacked mail does not end a wait: it times out with exit 2.
         r = self.run_pinbox("agent", "inbox", "--wait", "--timeout", "300", env=self.as_(self.b))
         self.assertEqual((r.code, r.json["error"]["code"]), (2, "E_TIMEOUT"))
@@ -6054,9 +6054,7 @@ class TestHubLive(HubCase):
         answer = conn.getresponse()
         self.assertEqual((answer.status, answer.getheader("Content-Type")), (200, "text/event-stream"))
         pin = self.pin("made by the CLI")
-        started = time.monotonic()
-        lines = [answer.fp.readline() for _ in range(3)]
-        self.assertLess(time.monotonic() - started, 2.0)
+        lines = [answer.fp.readline() for _ in range(3)]  # (the connection's 10 s timeout is the hang guard)
         self.assertEqual(lines[0], b"id: 1\n")
         event = json.loads(lines[1][len(b"data: "):])
         self.assertEqual((event["type"], event["payload"]["id"]), ("pin.created", pin["id"]))
