@@ -10874,12 +10874,24 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
         h('button', { type: 'button', class: 'small', 'data-pinbox': 'copy-all', onclick: copyAllOpen, title: 'Copy every open pin as Markdown (C)' }, 'Copy open'),
         h('button', { type: 'button', class: 'x', 'aria-label': 'Close the list', onclick: closeDrawer }, TIMES)),
       ui.tabs, ui.search, ui.drawerList);
+    // While a button is held in the list, the list is not redrawn (a click is a press and a
+    // release on one element); what changed meanwhile is drawn once the click is done.
+    ui.drawer.addEventListener('pointerdown', () => { state.holding = true; });
     ui.layer.append(ui.drawer);
     placePanel(ui.drawer);
     renderDrawer();
     refreshProgress();
     ui.search.focus();
   }
+
+  function letGo() {
+    if (!state.holding) return;
+    state.holding = false;
+    setTimeout(renderDrawer);  // after the click this release makes
+  }
+  window.addEventListener('pointerup', letGo, true);
+  window.addEventListener('pointercancel', letGo, true);
+  window.addEventListener('blur', (event) => { if (event.target === window) letGo(); });  // (released elsewhere)
 
   function closeDrawer() {
     if (!ui.drawer) return;
@@ -10910,6 +10922,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       if (button.textContent !== label) button.textContent = label;
       button.setAttribute('aria-selected', String(state.drawerTab === tab));
     }
+    if (state.holding) return;
     const shown = all.filter((pin) => (pin.status === 'resolved' ? 'resolved' : 'open') === state.drawerTab &&
       (!query || (pin.text + ' ' + where(pin) + ' ' + ((pin.target && pin.target.url) || '')).toLowerCase().includes(query)));
     const groups = new Map();
