@@ -7914,14 +7914,10 @@ class TestPageProxyInChromium(BrowserCase):
 # ============================================================================
 
 class TestHubLifecycle(HubCase):
-    IDLE_MS = "1500"
+    # (A hub that idles out in 1.5 s did so mid-test under load — a stop, a store put
+    # back — so only the idle test's own hub idles that fast.)
 
     def test_stop_ends_this_projects_hub_and_all_ends_every_hub_of_yours(self):
-        # A hub of its own that outlives the slowest start of the second: one that idled
-        # out as `stop` signalled it ended by that signal (exit -15), seen under load.
-        self.stop_hub(self.proc)
-        self.IDLE_MS = "60000"
-        self.start_hub()
         other = os.path.join(self.tmp, "other")
         git(self.tmp, "init", "-q", other)
         second = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=other, env=dict(self.env, PINBOX_IDLE_MS="60000"),
@@ -7979,6 +7975,9 @@ class TestHubLifecycle(HubCase):
         self.assertEqual([p["text"] for p in self.ok("list")], ["after the restore", "from a backup"])
 
     def test_idle_exit_waits_for_open_streams(self):
+        self.stop_hub(self.proc)
+        self.IDLE_MS = "1500"
+        self.start_hub()
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
         conn.request("GET", "/stream?token=" + self.token)
         answer = conn.getresponse()  # kept: dropping it would close the socket
