@@ -2453,6 +2453,26 @@ def end_process_group(proc):
         pass
 
 
+class InterruptsHeld:
+    """Ctrl-C held back while a child is started and recorded, then raised on leaving:
+    one arriving inside Popen would leave the child running in its own process group,
+    which a terminal's Ctrl-C never reaches. Only the main thread gets signals."""
+
+    def __enter__(self):
+        import signal
+        import threading
+        self.held, self.previous = [], None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, lambda signum, frame: self.held.append(signum))
+
+    def __exit__(self, *exc):
+        import signal
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            if self.held:
+                signal.raise_signal(signal.SIGINT)
+
+
 def push_openclaw(event, session, pin, pushes):
     """Queues the text for the session's next heartbeat. A key makes OpenClaw wake the
     session at once, so the main session gets none (its events ride the heartbeat)."""
@@ -3209,24 +3229,28 @@ def git_call(root, args, data=None, env=None, children=None, remote=None):
     fetch or push, E_INTERNAL otherwise, with git's last words."""
     import subprocess
     full_env = dict(os.environ, GIT_TERMINAL_PROMPT="0", **(env or {}))
+    proc = None
     try:
-        proc = subprocess.Popen(["git"] + args, cwd=root, env=full_env, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    except OSError as exc:
-        raise PinboxError("E_INTERNAL", "cannot run git: %s" % exc.strerror, "install git, then run `pinbox sync`")
-    if children is not None:
-        children.running.add(proc)
-    try:
+        with InterruptsHeld():
+            try:
+                proc = subprocess.Popen(["git"] + args, cwd=root, env=full_env, stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            except OSError as exc:
+                raise PinboxError("E_INTERNAL", "cannot run git: %s" % exc.strerror,
+                                  "install git, then run `pinbox sync`")
+            if children is not None:
+                children.running.add(proc)
         out, err = proc.communicate(data, timeout=sync_timeout())
     except subprocess.TimeoutExpired:
         end_process_group(proc)
         out, err = b"", b"no answer in %d s (PINBOX_SYNC_TIMEOUT_MS)" % sync_timeout()
         proc.returncode = proc.returncode or -1
     except BaseException:  # Ctrl-C: its own process group would not get the signal
-        end_process_group(proc)
+        if proc is not None:
+            end_process_group(proc)
         raise
     finally:
-        if children is not None:
+        if children is not None and proc is not None:
             children.running.discard(proc)
     if proc.returncode != 0:
         said = " ".join(err.decode("utf-8", "replace").split())[-400:] or "exit status %s" % proc.returncode

@@ -3908,6 +3908,41 @@ class TestSyncParts(unittest.TestCase):
         nine, ten = (pinbox.sort_key(sync_event(device, clock, "thread.message", {})) for clock in (9, 10))
         self.assertLess(nine, ten)
 
+    def test_a_ctrl_c_the_moment_git_starts_still_ends_git(self):
+        """Ctrl-C arriving as Popen returns, before git_call knows its child: git runs in a
+        process group of its own (a terminal's Ctrl-C never reaches it), so git_call must
+        end it all the same, and only then give up."""
+        repo = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, repo, True)
+        git(repo, "init", "-q")
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal starts it
+        self.addCleanup(signal.signal, signal.SIGINT, previous)
+        real_popen, started = subprocess.Popen, []
+
+        def popen_then_ctrl_c(*args, **kw):
+            started.append(real_popen(*args, **kw))
+            os.kill(os.getpid(), signal.SIGINT)
+            return started[-1]
+
+        def left_in_group():  # its members still alive (a zombie nobody reaps is not)
+            found = []
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    with open("/proc/%s/stat" % pid) as handle:
+                        state, _ppid, group = handle.read().rsplit(")", 1)[1].split()[:3]
+                except OSError:
+                    continue
+                if int(group) == started[0].pid and state != "Z":
+                    found.append(pid)
+            return found
+        self.addCleanup(lambda: started and left_in_group() and os.killpg(started[0].pid, signal.SIGKILL))
+        with unittest.mock.patch.object(subprocess, "Popen", popen_then_ctrl_c):
+            with self.assertRaises(KeyboardInterrupt):
+                pinbox.git_call(repo, ["-c", "alias.hang=!sleep 300", "hang"])
+        self.assertEqual(len(started), 1)
+        eventually(lambda: not left_in_group(), 10, lambda: "git's group ended; still there: %s" % left_in_group())
+
+
 def new_pin_data(pin_id, text="a teammate's pin", **extra):
     return dict({"id": pin_id, "text": text, "kind": "note", "author": {"userId": "eve"},
                  "target": {"url": "http://localhost:5173/cart", "selector": "#buy"}}, **extra)
