@@ -9109,6 +9109,52 @@ class TestClaudeCode(AgentCase):
         self.assertIn("%d" % tag_line, read[0])
         self.assertIn('<h2 id=\\"cart-title\\">Cart</h2>', read[0])  # (JSON-quoted once more)
 
+    def test_the_persons_verdicts_reach_the_same_session_in_its_next_turns(self):
+        """Two pins given to Claude Code, fixed by a commit, each seen again by the page
+        (its after picture); the person accepts one and reopens the other. The same
+        session's next turn hears the accept once and gets the reopen as work, with the
+        before and after pictures' paths; the turn after that hears no accept again."""
+        self.fake.on_first_request = None
+        self.ok("resolve", self.first["id"])
+        self.ok("init", "--agent", "claude")
+        self.start_hub()
+
+        def upload(kind):
+            answer = self.request("POST", "/attachments?kind=" + kind, raw=PNG_1PX,
+                                  headers={"Content-Type": "image/png"})[1]
+            return answer["data"]["attachment"]
+        buy, pay = (self.post_pin("PBXCANARY-%s: the %s button is hard to read" % (name.upper(), name),
+                                  target={"url": "http://localhost:5173/shop", "selector": "#" + name},
+                                  attachments=[dict(upload("screenshot"), label="element")])
+                    for name in ("buy", "pay"))
+        env = dict(self.env, ANTHROPIC_BASE_URL=self.fake.url, ANTHROPIC_API_KEY="sk-ant-fake",
+                   CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_AUTOUPDATER="1", DISABLE_TELEMETRY="1")
+        self.run_agent(["-p", "fix the pins", "--output-format", "json"], env)
+        session = self.agent_session()
+        self.assertIn("PBXCANARY-PAY", self.fake.texts()[0])
+        git_commit(self.repo, "Readable buttons\n\nFixes: %s, %s" % (buy["id"], pay["id"]), "shop.css")
+        for pin in (buy, pay):  # the page open again: the toolbar's look at each fixed element
+            self.api("POST", "/pins/%s/after" % pin["id"], {"found": True, "errors": [],
+                                                            "attachment": upload("after")}, 201)
+        self.stop_hub(self.proc)  # (nothing wakes the ended session: its next turn is where it hears)
+        self.ok("verify", buy["id"], "--outcome", "accepted")
+        self.ok("verify", pay["id"], "--outcome", "reopened", "--note", "PBXCANARY-REOPEN: still too dark")
+        paths = {a.get("label") or a["kind"]: a["path"] for a in self.ok("show", pay["id"])["pin"]["attachments"]}
+        turns = []
+        for prompt in ("go on", "anything else?"):
+            before = len(self.fake.texts())
+            self.run_agent(["-p", prompt, "--resume", session["key"], "--output-format", "json"], env)
+            turns.append(json.loads(self.fake.texts()[before])["messages"][-1])
+        self.assertEqual(self.agent_session()["id"], session["id"])
+        told = json.dumps(turns[0], ensure_ascii=False)
+        self.assertEqual(told.count("the person accepted your fix of pin %s" % buy["id"]), 1, told)
+        reopen = told[told.index("a human reopened pin %s" % pay["id"]):]
+        self.assertIn("PBXCANARY-REOPEN: still too dark", reopen)
+        self.assertIn("the element " + paths["element"], reopen)
+        self.assertIn("after the fix " + paths["after"], reopen)
+        self.assertNotIn("accepted your fix", json.dumps(turns[1], ensure_ascii=False))
+        self.assertEqual(self.ok("show", buy["id"])["pin"]["verification"]["outcome"], "accepted")
+
     def test_a_teammates_clone_gets_pins_through_the_committed_hooks(self):
         """`init` and a commit in one clone; another clone, in another HOME, with pinbox
         installed somewhere else: the real Claude Code there registers its session and gets
