@@ -6635,17 +6635,18 @@ class McpServer:
     def session(self):
         """The agent session this server speaks for: PINBOX_SESSION (or the agent's own
         variables) in its environment, else the client's agent's most recent live
-        session in this project, else none."""
+        session in this project (started at its root or in a folder under it), else none."""
         with self.store.guard():
             found = calling_session(self.store.conn)
             agent = MCP_CLIENT_AGENTS.get((self.client or {}).get("name"))
             if found is None and agent is None and os.environ.get("CLAUDECODE"):
                 agent = "claude"
             if found is None and agent:
+                under = self.root.rstrip(os.sep) + os.sep
                 found = _session(self.store.conn.execute(
                     "SELECT %s FROM sessions WHERE agent = ? AND ended_at IS NULL AND last_seen_at >= ? AND "
-                    "(cwd = ? OR cwd IS NULL) ORDER BY last_seen_at DESC, rowid DESC LIMIT 1" % _SESSION_COLUMNS,
-                    (agent, stale_cutoff(), self.root)).fetchone())
+                    "(cwd = ? OR cwd IS NULL OR substr(cwd, 1, ?) = ?) ORDER BY last_seen_at DESC, rowid DESC "
+                    "LIMIT 1" % _SESSION_COLUMNS, (agent, stale_cutoff(), self.root, len(under), under)).fetchone())
         return found
 
     def instructions(self):

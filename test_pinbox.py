@@ -8299,6 +8299,21 @@ class TestMcpProtocol(unittest.TestCase):
             listed = self.request("tools/call", {"name": "list_pins", "arguments": {}})["result"]
         self.assertEqual(listed["structuredContent"]["session"]["key"], "k-live")
 
+    def test_a_session_started_in_a_folder_of_the_project_is_spoken_for(self):
+        """An agent started in <project>/web registers from there; the server (the project's)
+        speaks for it. A folder beside the project whose name starts the same is not in it."""
+        web, beside = os.path.join(self.tmp, "web"), self.tmp.rstrip(os.sep) + "-beside"
+        with self.store.write() as conn:
+            pinbox.upsert_session(conn, "claude", "k-web", web)
+            pinbox.upsert_session(conn, "claude", "k-beside", beside)  # seen last
+        with unittest.mock.patch.dict(os.environ):
+            for name in ("PINBOX_SESSION", "CODEX_THREAD_ID", "HERMES_SESSION_ID"):
+                os.environ.pop(name, None)
+            self.request("initialize", {"protocolVersion": "2025-11-25", "capabilities": {},
+                                        "clientInfo": {"name": "claude-code", "version": "1"}})
+            listed = self.request("tools/call", {"name": "list_pins", "arguments": {}})["result"]
+        self.assertEqual(listed["structuredContent"]["session"]["key"], "k-web")
+
     def test_lone_surrogates_and_deep_nesting_get_answers_and_the_server_goes_on(self):
         """Once an id or a method with a lone surrogate ended the server without a word."""
         lines = [b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18"}}',
