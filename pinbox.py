@@ -805,16 +805,18 @@ def skip_delivery(conn, row_id, adapter=None):
                  "WHERE id = ?", (adapter, iso_time(), row_id))
 
 
-def skip_pin_deliveries(conn, pin_id, unclaimed_only):
-    """A pin's pending rows, skipped: those no session claimed when it is resolved
-    (nobody need hear of it now; a reopen is routed afresh), or all of them when the
-    pin moved to another machine's session (adapter `remote`)."""
-    if unclaimed_only:
-        conn.execute("UPDATE deliveries SET status = 'skipped', updated_at = ? WHERE pin_id = ? AND "
-                     "session_id IS NULL AND status = 'pending'", (iso_time(), pin_id))
-    else:
-        conn.execute("UPDATE deliveries SET status = 'skipped', adapter = 'remote', updated_at = ? WHERE pin_id = ? "
-                     "AND status = 'pending'", (iso_time(), pin_id))
+def skip_unclaimed(conn, pin_id):
+    """A resolved pin's rows no session claimed, skipped: nobody need hear of it now (a
+    reopen is routed afresh)."""
+    conn.execute("UPDATE deliveries SET status = 'skipped', updated_at = ? WHERE pin_id = ? AND "
+                 "session_id IS NULL AND status = 'pending'", (iso_time(), pin_id))
+
+
+def hand_to_remote(conn, pin_id):
+    """A pin moved to another machine's session: every pending row of it is that
+    machine's to deliver (adapter `remote`), none of this one's."""
+    conn.execute("UPDATE deliveries SET status = 'skipped', adapter = 'remote', updated_at = ? WHERE pin_id = ? "
+                 "AND status = 'pending'", (iso_time(), pin_id))
 
 
 def unclaimed_deliveries(conn, limit):
@@ -1733,7 +1735,7 @@ HOOK_CAP = 100
 
 def route_event(conn, seq, kind, payload):
     if kind == "pin.resolved":
-        skip_pin_deliveries(conn, payload.get("id"), unclaimed_only=True)
+        skip_unclaimed(conn, payload.get("id"))
     pin_id = deliverable_pin(kind, payload)
     pin = find_pin(conn, pin_id) if pin_id else None
     if pin is None:
@@ -3736,7 +3738,7 @@ def refold_pin(conn, pin_id, device, appended):
 def moved_elsewhere(conn, pin, before):
     """A pin now owned on another machine: nothing here waits to deliver it, and a
     local session that had it is told, once, that it moved."""
-    skip_pin_deliveries(conn, pin["id"], unclaimed_only=False)
+    hand_to_remote(conn, pin["id"])
     if not before or is_remote(before):
         return
     session = find_session(conn, (before.get("agent"), before.get("key")))
