@@ -1099,6 +1099,10 @@ PIN_INPUT = {"text": ("text", True), "kind": (("enum", ("note", "move")), False)
 # of it now (none when it is gone), and the console errors on the page now.
 AFTER_INPUT = {"attachment": (ATTACHMENT, False), "found": ("boolean", True),
                "errors": (("list", "string"), False)}
+# What the pin keeps of that look (its `after`), and what travels of it through sync.
+AFTER_RECORD = {"at": ("string", True), "found": ("boolean", True), "attachment": ("string", False),
+                "errorsThen": (("range", (0, 100)), True), "errorsNow": (("range", (0, 100)), True),
+                "errors": (("list", "text"), False), "errorsRemain": (("list", "text"), False)}
 MESSAGE_INPUT = {"role": (("enum", ROLES), True), "text": ("text", True), "origin": ("string", False),
                  "attachments": (("list", ATTACHMENT), False)}
 STRING_LIMIT = 8192  # any one string a page sends, text aside (64 KiB)
@@ -3138,7 +3142,8 @@ def answer_words(message):
 # agree. No branch, index or work tree is ever touched.
 SYNC_DEVICE_REFS = "refs/pinbox/devices/"
 SYNC_FETCHED_REFS = "refs/pinbox/fetched/"
-SYNCED_EVENTS = ("pin.created", "thread.message", "pin.resolved", "pin.verified")
+SYNCED_EVENTS = ("pin.created", "thread.message", "pin.resolved", "pin.verified", "pin.after")
+MEDIA_EVENTS = ("pin.created", "pin.after")  # the events whose pictures travel with them
 SYNC_STATUS_KEYS = ("enabled", "remote", "device", "host", "lastSyncAt", "lastError", "waiting", "devices",
                     "setAside", "lastSetAside")
 
@@ -3156,8 +3161,10 @@ def set_sync_settings(conn, **values):
 def outgoing(conn, kind, payload):
     """What of a local event travels: not this machine's pin number nor the paths of
     its files; a resolution or a verdict as just itself (the pin is folded again there)."""
-    if kind == "pin.created":
-        data = {k: v for k, v in payload.items() if k not in ("n", "machine")}
+    if kind in MEDIA_EVENTS:
+        data = {k: v for k, v in payload.items() if k not in ("n", "machine")} if kind == "pin.created" else {
+            "id": payload.get("id"), "after": payload.get("after"), "attachments": [
+                a for a in payload.get("attachments") or () if isinstance(a, dict) and a.get("kind") == "after"]}
         if data.get("attachments"):
             data["attachments"] = [{k: v for k, v in a.items() if k != "path"} for a in data["attachments"]
                                    if isinstance(a, dict)]
@@ -3347,7 +3354,7 @@ def commit_batch(root, store, device, host, children=None):
     media = {}
     folder = os.path.join(store.directory, "media")
     for event in events:
-        for attachment in (event["data"].get("attachments") or ()) if event["type"] == "pin.created" else ():
+        for attachment in (event["data"].get("attachments") or ()) if event["type"] in MEDIA_EVENTS else ():
             name = media_name(attachment)
             path = os.path.join(folder, name or "")
             # Every screenshot the hub took travels: it took none over its own cap.
@@ -3493,6 +3500,7 @@ SYNC_DATA = {
         "outcome": (("enum", ("accepted", "reopened")), True), "note": ("text", False), "at": ("string", False)},
         True)},
     "pin.bound": {"id": ("string", True), "agentSession": (SYNC_BINDING, True)},
+    "pin.after": {"id": ("string", True), "after": (AFTER_RECORD, True), "attachments": (("list", ATTACHMENT), False)},
 }
 
 
@@ -3516,13 +3524,19 @@ def check_event(event, device):
         if not re.fullmatch(prefix + r"_[a-z0-9]{10}", value):
             raise invalid("%s: %s is not a %s id" % (where, plain(value[:40]), prefix))
     times = [event["at"]] + [v for v in (data.get("createdAt"), data.get("at"), (data.get("resolution") or {}).get(
-        "at"), (data.get("verification") or {}).get("at")) if v is not None]
+        "at"), (data.get("verification") or {}).get("at"), (data.get("after") or {}).get("at")) if v is not None]
     if not all(re.fullmatch(SYNC_TIME, t) for t in times):
         raise invalid("a time that is not an ISO time")
     for key in ("text", "note"):
         for holder in (data, data.get("resolution") or {}, data.get("verification") or {}):
             if holder.get(key) is not None:
                 clean_text(holder[key], key)
+    if event["type"] == "pin.after":
+        for said in (data["after"].get("errors") or []) + (data["after"].get("errorsRemain") or []):
+            clean_text(said, "after.errors")
+        if [(a["kind"], a["id"]) for a in data.get("attachments") or ()] not in (
+                [], [("after", data["after"].get("attachment"))]):
+            raise invalid("data.attachments: an after picture's event carries that picture alone")
     if data.get("evidence") is not None:
         data["evidence"] = check_evidence(data["evidence"])
     if event["type"] in ("pin.created", "thread.message") and not data["text"].strip():
@@ -3537,14 +3551,14 @@ def check_event(event, device):
 
 
 def import_media(root, store, batches, ref):
-    """Writes the screenshots of new pins that came on `ref` into this store's media
+    """Writes the pictures of new pins and after pictures that came on `ref` into this store's media
     folder (before the pins: a sync killed between leaves a file nobody names, never a
     pin naming no file). Returns what it left out, to be set aside with its reason."""
     folder = real_folder(os.path.join(store.directory, "media"))
     wanted = {}
     for sha, _author, _host, events in batches:
         for event in events:
-            if event["type"] != "pin.created":
+            if event["type"] not in MEDIA_EVENTS:
                 continue
             for attachment in event["data"].get("attachments") or ():
                 name = media_name(attachment)
@@ -3618,7 +3632,7 @@ def apply_imported(store, ref_heads, batches, device, set_aside=()):
                 rejects.append((SYNC_DEVICE_REFS + event["device"], None, event["id"], outcome,
                                 dumps_compact(event)[:2000]))
         for pin_id in dict.fromkeys(touched):
-            refold_pin(conn, pin_id, device, appended)
+            refold_pin(conn, pin_id, device, appended, media)
         for seq, kind, payload in sorted(appended, key=lambda a: a[0]):
             route_event(conn, seq, kind, payload)
         conn.executemany("INSERT INTO sync_rejects(ref, commit_sha, event_id, reason, body, at) VALUES "
@@ -3688,14 +3702,15 @@ def note_imported(conn, event, payload, appended):
     appended.append((seq, event["type"], payload))
 
 
-def refold_pin(conn, pin_id, device, appended):
-    """A pin's status, resolution, verdict and owner, from every event about it in the
-    total order: resolutions and reopens as they come, the first binding for good. A
-    local session that loses the pin to another machine's is told once."""
+def refold_pin(conn, pin_id, device, appended, media):
+    """A pin's status, resolution, verdict, after picture and owner, from every event
+    about it in the total order: resolutions and reopens as they come, the newest look
+    after a fix, the first binding for good. A local session that loses the pin to
+    another machine's is told once."""
     pin = find_pin(conn, pin_id)
     if pin is None:
         return
-    status, resolution, verification, binding = "open", None, None, None
+    status, resolution, verification, binding, after = "open", None, None, None, None
     news = []
     for raw, seq in conn.execute("SELECT body, seq FROM sync_events WHERE pin_id = ? AND applied = 1 "
                                  "ORDER BY clock, device, id", (pin_id,)).fetchall():
@@ -3709,7 +3724,9 @@ def refold_pin(conn, pin_id, device, appended):
             verification = data["verification"]
             if verification.get("outcome") == "reopened":
                 status = "open"
-        if kind in ("pin.resolved", "pin.verified") and seq is None and event["device"] != device:
+        elif kind == "pin.after":
+            after = data
+        if kind in ("pin.resolved", "pin.verified", "pin.after") and seq is None and event["device"] != device:
             news.append(event)
     before = pin.get("agentSession")
     if binding is not None:
@@ -3721,6 +3738,12 @@ def refold_pin(conn, pin_id, device, appended):
             pin["agentSession"] = dict({k: v for k, v in ref.items() if k in ("agent", "key", "cwd")},
                                        device=event["device"], host=event.get("host") or "", at=event["at"])
     pin.update(status=status)
+    if after is not None and after["after"].get("at", "") >= (pin.get("after") or {}).get("at", ""):
+        # (one taken here since this sync staged its events is newer, and stays)
+        pictures = [dict(a, path=os.path.join(media, media_name(a))) if media_name(a) and os.path.isfile(
+            os.path.join(media, media_name(a))) else a for a in after.get("attachments") or ()]
+        pin["after"] = after["after"]
+        pin["attachments"] = [a for a in pin.get("attachments") or () if a.get("kind") != "after"] + pictures
     for field, value in (("resolution", resolution), ("verification", verification)):
         if value is None:
             pin.pop(field, None)

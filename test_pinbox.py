@@ -4235,6 +4235,51 @@ class TestSync(SyncCase):
         self.assertIn("claude (ka)", row)
         self.assertIn("Syncing with git remote origin", browser.evaluate("document.getElementById('sync').textContent"))
 
+    def test_the_look_after_a_fix_and_the_verdict_on_one_machine_reach_the_agent_on_another(self):
+        """B's person pinned the button; A's agent fixed it. B's page looks at the element
+        after the fix (its after picture) and the person reopens it there: A gets the after
+        picture, its bytes in A's own media folder, and A's agent the reopen with the before
+        and after pictures' paths on A. Events about that look that are not whole are set aside."""
+        a, b = self.machines()
+        b.serve()
+        before_png, after_png = make_png(24, 16, (200, 30, 30)), make_png(24, 16, (30, 160, 30))
+        shot = b.api("POST", "/attachments?kind=screenshot", before_png, "image/png")["attachment"]
+        made = b.api("POST", "/pins", {"text": "The Buy button is hard to read", "author": {"userId": "bob"},
+                                       "attachments": [dict(shot, label="element")],
+                                       "target": {"selector": "#buy", "url": "http://localhost:1/shop"}})
+        b.sync()
+        a.sync()
+        self.assertIn(made["id"], a.inject("ka"))  # A's agent has it
+        a.ok("resolve", made["id"], "--as", "agent")
+        a.sync()
+        b.sync()
+        picture = b.api("POST", "/attachments?kind=after", after_png, "image/png")["attachment"]
+        b.api("POST", "/pins/%s/after" % made["id"], {"found": True, "errors": [], "attachment": picture})
+        b.ok("verify", made["id"], "--outcome", "reopened", "--note", "still too dark on my phone")
+        b.sync()
+        self.assertEqual(a.sync()["setAside"], 0)
+        on_a = a.ok("show", made["id"])["pin"]
+        self.assertEqual((on_a["status"], on_a["after"]), ("open", b.ok("show", made["id"])["pin"]["after"]))
+        paths = {x.get("label") or x["kind"]: x["path"] for x in on_a["attachments"]}
+        self.assertEqual(os.path.dirname(paths["after"]), os.path.realpath(os.path.join(a.repo, ".pinbox", "media")))
+        with open(paths["after"], "rb") as handle:
+            self.assertEqual(handle.read(), after_png)
+        told = a.inject("ka")
+        reopen = told[told.index("a human reopened pin %s" % made["id"]):]
+        self.assertIn("the element " + paths["element"], reopen)
+        self.assertIn("after the fix " + paths["after"], reopen)
+        # A teammate's looks that are not whole: a picture of another kind, one the record
+        # does not name, a count past its bounds. Each is set aside; the pin keeps B's.
+        eve, look = "dev_eveeveeve3", dict(on_a["after"], at="2026-12-31T00:00:00.000Z")
+        other = {"id": "att_eveeveeve1", "kind": "after", "url": "/media/att_eveeveeve1.png"}
+        push_batch(a.repo, eve, [
+            sync_event(eve, 900, "pin.after", {"id": made["id"], "after": dict(look, attachment="att_eveeveeve1"),
+                                               "attachments": [dict(other, kind="screenshot")]}),
+            sync_event(eve, 901, "pin.after", {"id": made["id"], "after": look, "attachments": [other]}),
+            sync_event(eve, 902, "pin.after", {"id": made["id"], "after": dict(look, errorsNow=101)})])
+        self.assertEqual(a.sync()["setAside"], 3)
+        self.assertEqual(a.ok("show", made["id"])["pin"]["after"], on_a["after"])
+
     # --- what a teammate pushes is checked whole (issue: trust) ------------------------
 
     def test_one_hostile_event_is_set_aside_and_never_stops_a_sync(self):
