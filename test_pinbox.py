@@ -8329,6 +8329,17 @@ class TestMcpProtocol(unittest.TestCase):
         self.assertEqual([base64.b64decode(c["data"]) for c in shown["content"] if c["type"] == "image"],
                          [make_png(1, 1, (255, 0, 0))])
 
+    def spoken_for_by_claude_code(self):
+        """The key of the session the server says it speaks for, to Claude Code with no
+        session named in its environment."""
+        with unittest.mock.patch.dict(os.environ):
+            for name in ("PINBOX_SESSION", "CODEX_THREAD_ID", "HERMES_SESSION_ID"):
+                os.environ.pop(name, None)
+            self.request("initialize", {"protocolVersion": "2025-11-25", "capabilities": {},
+                                        "clientInfo": {"name": "claude-code", "version": "1"}})
+            listed = self.request("tools/call", {"name": "list_pins", "arguments": {}})["result"]
+        return listed["structuredContent"]["session"]["key"]
+
     def test_with_no_session_named_the_server_speaks_for_its_agents_live_session_never_an_ended_one(self):
         """The edge of the server's choice of session: of its client's agent's sessions here,
         one seen later but ended since is passed over for the live one."""
@@ -8336,13 +8347,7 @@ class TestMcpProtocol(unittest.TestCase):
             pinbox.upsert_session(conn, "claude", "k-live", self.tmp)
             ended, _ = pinbox.upsert_session(conn, "claude", "k-ended", self.tmp)  # seen after k-live
             pinbox.end_session(conn, ended)
-        with unittest.mock.patch.dict(os.environ):
-            for name in ("PINBOX_SESSION", "CODEX_THREAD_ID", "HERMES_SESSION_ID"):
-                os.environ.pop(name, None)
-            self.request("initialize", {"protocolVersion": "2025-11-25", "capabilities": {},
-                                        "clientInfo": {"name": "claude-code", "version": "1"}})
-            listed = self.request("tools/call", {"name": "list_pins", "arguments": {}})["result"]
-        self.assertEqual(listed["structuredContent"]["session"]["key"], "k-live")
+        self.assertEqual(self.spoken_for_by_claude_code(), "k-live")
 
     def test_a_session_started_in_a_folder_of_the_project_is_spoken_for(self):
         """An agent started in <project>/web registers from there; the server (the project's)
@@ -8351,13 +8356,7 @@ class TestMcpProtocol(unittest.TestCase):
         with self.store.write() as conn:
             pinbox.upsert_session(conn, "claude", "k-web", web)
             pinbox.upsert_session(conn, "claude", "k-beside", beside)  # seen last
-        with unittest.mock.patch.dict(os.environ):
-            for name in ("PINBOX_SESSION", "CODEX_THREAD_ID", "HERMES_SESSION_ID"):
-                os.environ.pop(name, None)
-            self.request("initialize", {"protocolVersion": "2025-11-25", "capabilities": {},
-                                        "clientInfo": {"name": "claude-code", "version": "1"}})
-            listed = self.request("tools/call", {"name": "list_pins", "arguments": {}})["result"]
-        self.assertEqual(listed["structuredContent"]["session"]["key"], "k-web")
+        self.assertEqual(self.spoken_for_by_claude_code(), "k-web")
 
     def test_lone_surrogates_and_deep_nesting_get_answers_and_the_server_goes_on(self):
         """Once an id or a method with a lone surrogate ended the server without a word."""
