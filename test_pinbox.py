@@ -7990,51 +7990,10 @@ class TestPageProxyInChromium(BrowserCase):
 
 
 # ============================================================================
-# Hub: process life (serving until idle or told to stop)
+# Hub: its state
 # ============================================================================
 
-class TestHubLifecycle(HubCase):
-    # (A hub that idles out in 1.5 s did so mid-test under load — a stop, a store put
-    # back — so only the idle test's own hub idles that fast.)
-
-    def test_stop_ends_this_projects_hub_and_all_ends_every_hub_of_yours(self):
-        other = os.path.join(self.tmp, "other")
-        git(self.tmp, "init", "-q", other)
-        second = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=other, env=dict(self.env, PINBOX_IDLE_MS="60000"),
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.addCleanup(self.stop_hub, second)
-        self.wait_hub_json(lambda data: True)  # (this project's)
-        eventually(lambda: os.path.exists(os.path.join(other, ".pinbox", "server.json")), 20,
-                   "the second project's hub listening (its server.json)")
-        stopped = self.ok("stop")["stopped"]
-        self.assertEqual([(s["pid"], s["project"]) for s in stopped], [(self.proc.pid, self.repo)])
-        self.assertEqual(self.proc.wait(timeout=10), 0)
-        self.assertIsNone(second.poll())  # another project's hub is left alone
-        r = self.human("stop")
-        self.assertEqual((r.code, r.out, r.err), (0, "", "no hub runs for %s\n" % self.repo))
-        with unittest.mock.patch.dict(os.environ, {"XDG_STATE_HOME": self.env["XDG_STATE_HOME"]}):
-            self.assertFalse(os.path.exists(pinbox.hub_files(self.repo)[1]))  # it cleaned up as it ended
-            port = pinbox.read_hub_json(pinbox.hub_files(other)[1])["port"]
-        r = self.human("stop", "--all")
-        self.assertEqual((r.code, r.out), (0, "stopped the hub of %s (port %d)\n" % (other, port)))
-        self.assertEqual(second.wait(timeout=10), 0)
-
-    def test_state_files_and_a_clean_sigterm(self):
-        with open(os.path.join(self.repo, ".pinbox", "server.json")) as handle:
-            self.assertEqual(json.load(handle), {"port": self.port})
-        self.assertEqual(os.stat(os.path.join(self.state, "hub.json")).st_mode & 0o777, 0o600)
-        self.assertEqual(os.stat(os.path.join(self.state, "token")).st_mode & 0o777, 0o600)
-        self.assertEqual(os.stat(self.state).st_mode & 0o777, 0o700)
-        self.assertEqual(set(self.hub), {"pid", "port", "token", "localToken", "project", "version"})
-        self.proc.send_signal(signal.SIGTERM)
-        self.assertEqual(self.proc.wait(timeout=10), 0)
-        self.assertFalse(os.path.exists(os.path.join(self.state, "hub.json")))
-        self.assertFalse(os.path.exists(os.path.join(self.repo, ".pinbox", "server.json")))
-        self.assertNotIn(self.token.encode(), self.proc.stderr.read() + self.proc.stdout.read())
-        # A restarted hub keeps the token and the port: a pasted script tag still works.
-        self.start_hub()
-        self.assertEqual((self.hub["token"], self.hub["port"]), (self.token, self.port))
-
+class TestHubState(HubCase):
     def test_a_store_deleted_or_replaced_under_the_hub_is_followed(self):
         self.post_pin("before")
         for name in os.listdir(os.path.join(self.repo, ".pinbox")):
@@ -8054,27 +8013,12 @@ class TestHubLifecycle(HubCase):
         self.post_pin("after the restore")
         self.assertEqual([p["text"] for p in self.ok("list")], ["after the restore", "from a backup"])
 
-    def test_idle_exit_waits_for_open_streams(self):
-        self.stop_hub(self.proc)
-        self.IDLE_MS = "1500"
-        self.start_hub()
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-        conn.request("GET", "/stream?token=" + self.token)
-        answer = conn.getresponse()  # kept: dropping it would close the socket
-        # A hub of another project, started now with nothing open and a longer idle time
-        # (2.5 s), idles out: this one has had more than its 1.5 s without a request.
-        other = os.path.join(self.tmp, "other")
-        git(self.tmp, "init", "-q", other)
-        witness = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=other, env=dict(self.env, PINBOX_IDLE_MS="2500"),
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.addCleanup(self.stop_hub, witness)
-        self.assertEqual(witness.wait(timeout=30), 0)
-        self.assertIsNone(self.proc.poll())  # a page is listening
-        answer.close()
-        conn.close()
-        self.assertEqual(self.proc.wait(timeout=10), 0)
-        self.assertFalse(os.path.exists(os.path.join(self.state, "hub.json")))
 
+# ============================================================================
+# Hub: finding and starting hubs
+# ============================================================================
+
+class TestStartingHubs(HubCase):
     def test_two_hubs_started_at_once_leave_one(self):
         self.stop_hub(self.proc)
         procs = [subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=self.repo, env=self.env,
@@ -8094,42 +8038,6 @@ class TestHubLifecycle(HubCase):
         self.assertEqual(r.code, 0, r)
         self.assertEqual(r.json["data"]["text"], "stored anyway")
         self.assertEqual(len(r.err.splitlines()), 1)
-
-    def test_a_signal_the_moment_hub_json_appears_still_cleans_up(self):
-        self.stop_hub(self.proc)
-        hub_json = os.path.join(self.state, "hub.json")
-        env = dict(self.env, PINBOX_IDLE_MS=self.IDLE_MS)
-        for _ in range(6):
-            proc = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=self.repo, env=env,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            self.addCleanup(self.stop_hub, proc)
-            deadline = time.monotonic() + 10  # hang guard
-            while not os.path.exists(hub_json) and time.monotonic() < deadline:
-                pass  # no sleep: the signal lands as close to the write as a test can send it
-            proc.terminate()
-            self.assertEqual(proc.wait(timeout=10), 0)
-            self.assertFalse(os.path.exists(hub_json))
-
-    def test_a_hub_stops_even_when_its_store_breaks_as_the_signal_arrives(self):
-        os.rename(self.db_path, self.db_path + ".moved")
-        os.mkdir(self.db_path)  # every connection the stop would open fails
-        self.proc.terminate()
-        self.proc.wait(timeout=15)  # hang guard: it used to live on, holding its port
-        self.assertFalse(os.path.exists(os.path.join(self.state, "hub.json")))
-
-    def test_a_second_signal_ends_a_hub_whose_teardown_hangs(self):
-        self.lock_store(60)  # the teardown's write waits on this lock (its busy timeout is 10 s)
-        self.assertTrue(catches(self.proc.pid, signal.SIGTERM))
-        self.proc.terminate()
-        # Its handler took the first one: it leaves the next signal to the default action.
-        eventually(lambda: not catches(self.proc.pid, signal.SIGTERM), 10, "the hub's handler taking the first SIGTERM")
-        self.proc.terminate()
-        self.proc.wait(timeout=5)  # hang guard, well under the 10 s the lock would hold it
-
-    def test_a_hub_whose_project_folder_is_deleted_stops_and_makes_nothing(self):
-        shutil.rmtree(self.repo)
-        self.proc.wait(timeout=15)  # hang guard
-        self.assertFalse(os.path.exists(self.repo))
 
     def test_a_command_returns_once_the_hub_it_started_listens(self):
         fresh = os.path.join(self.tmp, "fresh")
@@ -8192,6 +8100,110 @@ class TestHubLifecycle(HubCase):
         self.ok("list", env=env)
         third = self.wait_hub_json(lambda data: pid_running(data["pid"]) and data["pid"] != again["pid"])
         self.addCleanup(self.end_hub, third["pid"])
+
+
+# ============================================================================
+# Hub: process life (serving until idle or told to stop)
+# ============================================================================
+
+class TestHubLifecycle(HubCase):
+    # (A hub that idles out in 1.5 s did so mid-test under load — a stop, a store put
+    # back — so only the idle test's own hub idles that fast.)
+
+    def test_stop_ends_this_projects_hub_and_all_ends_every_hub_of_yours(self):
+        other = os.path.join(self.tmp, "other")
+        git(self.tmp, "init", "-q", other)
+        second = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=other, env=dict(self.env, PINBOX_IDLE_MS="60000"),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.addCleanup(self.stop_hub, second)
+        self.wait_hub_json(lambda data: True)  # (this project's)
+        eventually(lambda: os.path.exists(os.path.join(other, ".pinbox", "server.json")), 20,
+                   "the second project's hub listening (its server.json)")
+        stopped = self.ok("stop")["stopped"]
+        self.assertEqual([(s["pid"], s["project"]) for s in stopped], [(self.proc.pid, self.repo)])
+        self.assertEqual(self.proc.wait(timeout=10), 0)
+        self.assertIsNone(second.poll())  # another project's hub is left alone
+        r = self.human("stop")
+        self.assertEqual((r.code, r.out, r.err), (0, "", "no hub runs for %s\n" % self.repo))
+        with unittest.mock.patch.dict(os.environ, {"XDG_STATE_HOME": self.env["XDG_STATE_HOME"]}):
+            self.assertFalse(os.path.exists(pinbox.hub_files(self.repo)[1]))  # it cleaned up as it ended
+            port = pinbox.read_hub_json(pinbox.hub_files(other)[1])["port"]
+        r = self.human("stop", "--all")
+        self.assertEqual((r.code, r.out), (0, "stopped the hub of %s (port %d)\n" % (other, port)))
+        self.assertEqual(second.wait(timeout=10), 0)
+
+    def test_state_files_and_a_clean_sigterm(self):
+        with open(os.path.join(self.repo, ".pinbox", "server.json")) as handle:
+            self.assertEqual(json.load(handle), {"port": self.port})
+        self.assertEqual(os.stat(os.path.join(self.state, "hub.json")).st_mode & 0o777, 0o600)
+        self.assertEqual(os.stat(os.path.join(self.state, "token")).st_mode & 0o777, 0o600)
+        self.assertEqual(os.stat(self.state).st_mode & 0o777, 0o700)
+        self.assertEqual(set(self.hub), {"pid", "port", "token", "localToken", "project", "version"})
+        self.proc.send_signal(signal.SIGTERM)
+        self.assertEqual(self.proc.wait(timeout=10), 0)
+        self.assertFalse(os.path.exists(os.path.join(self.state, "hub.json")))
+        self.assertFalse(os.path.exists(os.path.join(self.repo, ".pinbox", "server.json")))
+        self.assertNotIn(self.token.encode(), self.proc.stderr.read() + self.proc.stdout.read())
+        # A restarted hub keeps the token and the port: a pasted script tag still works.
+        self.start_hub()
+        self.assertEqual((self.hub["token"], self.hub["port"]), (self.token, self.port))
+
+    def test_idle_exit_waits_for_open_streams(self):
+        self.stop_hub(self.proc)
+        self.IDLE_MS = "1500"
+        self.start_hub()
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        conn.request("GET", "/stream?token=" + self.token)
+        answer = conn.getresponse()  # kept: dropping it would close the socket
+        # A hub of another project, started now with nothing open and a longer idle time
+        # (2.5 s), idles out: this one has had more than its 1.5 s without a request.
+        other = os.path.join(self.tmp, "other")
+        git(self.tmp, "init", "-q", other)
+        witness = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=other, env=dict(self.env, PINBOX_IDLE_MS="2500"),
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.addCleanup(self.stop_hub, witness)
+        self.assertEqual(witness.wait(timeout=30), 0)
+        self.assertIsNone(self.proc.poll())  # a page is listening
+        answer.close()
+        conn.close()
+        self.assertEqual(self.proc.wait(timeout=10), 0)
+        self.assertFalse(os.path.exists(os.path.join(self.state, "hub.json")))
+
+    def test_a_signal_the_moment_hub_json_appears_still_cleans_up(self):
+        self.stop_hub(self.proc)
+        hub_json = os.path.join(self.state, "hub.json")
+        env = dict(self.env, PINBOX_IDLE_MS=self.IDLE_MS)
+        for _ in range(6):
+            proc = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=self.repo, env=env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.addCleanup(self.stop_hub, proc)
+            deadline = time.monotonic() + 10  # hang guard
+            while not os.path.exists(hub_json) and time.monotonic() < deadline:
+                pass  # no sleep: the signal lands as close to the write as a test can send it
+            proc.terminate()
+            self.assertEqual(proc.wait(timeout=10), 0)
+            self.assertFalse(os.path.exists(hub_json))
+
+    def test_a_hub_stops_even_when_its_store_breaks_as_the_signal_arrives(self):
+        os.rename(self.db_path, self.db_path + ".moved")
+        os.mkdir(self.db_path)  # every connection the stop would open fails
+        self.proc.terminate()
+        self.proc.wait(timeout=15)  # hang guard: it used to live on, holding its port
+        self.assertFalse(os.path.exists(os.path.join(self.state, "hub.json")))
+
+    def test_a_second_signal_ends_a_hub_whose_teardown_hangs(self):
+        self.lock_store(60)  # the teardown's write waits on this lock (its busy timeout is 10 s)
+        self.assertTrue(catches(self.proc.pid, signal.SIGTERM))
+        self.proc.terminate()
+        # Its handler took the first one: it leaves the next signal to the default action.
+        eventually(lambda: not catches(self.proc.pid, signal.SIGTERM), 10, "the hub's handler taking the first SIGTERM")
+        self.proc.terminate()
+        self.proc.wait(timeout=5)  # hang guard, well under the 10 s the lock would hold it
+
+    def test_a_hub_whose_project_folder_is_deleted_stops_and_makes_nothing(self):
+        shutil.rmtree(self.repo)
+        self.proc.wait(timeout=15)  # hang guard
+        self.assertFalse(os.path.exists(self.repo))
 
 
 # ============================================================================
