@@ -7276,6 +7276,9 @@ def fake_app(test, pages):
             self.body = self.rfile.read(length) if length else b""
             if "chunked" in (self.headers.get("Transfer-Encoding") or ""):
                 self.body = read_chunked(self.rfile)  # as any app does before it answers
+                if self.body is None:  # cut off mid-body: the proxy refused what came next
+                    self.close_connection = True
+                    return
             seen.append((self.command, self.path, dict(self.headers), self.body))
             handler = pages.get(self.path.split("?")[0])
             if handler is None:
@@ -7294,10 +7297,14 @@ def fake_app(test, pages):
 
 
 def read_chunked(stream):
-    """A chunked body's data, read to its end (trailers skipped)."""
+    """A chunked body's data, read to its end (trailers skipped); None when the
+    connection ends before a chunk's size line."""
     body = b""
     while True:
-        size = int(stream.readline().split(b";")[0], 16)
+        line = stream.readline()
+        if not line:
+            return None
+        size = int(line.split(b";")[0], 16)
         if not size:
             while stream.readline() not in (b"\r\n", b"\n", b""):
                 pass
@@ -7324,7 +7331,10 @@ def send_plain(handler, status, body, headers=()):
     handler.send_header("Content-Length", str(len(body)))
     handler.end_headers()
     if handler.command != "HEAD":
-        handler.wfile.write(body)
+        try:
+            handler.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the proxy already gave up on this answer
+            handler.close_connection = True
 
 
 def send_chunks(handler, pieces, content_type="application/octet-stream", gate=None):
