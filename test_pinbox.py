@@ -176,7 +176,8 @@ def run_on_terminal(argv, cwd, env):
         if not data:
             break
         chunks.append(data)
-    err = proc.stderr.read().decode()
+    with proc.stderr:
+        err = proc.stderr.read().decode()
     proc.wait(timeout=30)
     os.close(master)
     return Result(proc.returncode, b"".join(chunks).decode().replace("\r\n", "\n"), err)
