@@ -9391,10 +9391,17 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   }
 
   // fill(), but what draws the same is left as it is: a list redrawn on a timer keeps the
-  // element under the pointer, so a press and its release land on one element (a click).
+  // element under the pointer, so a press and its release land on one element (a click),
+  // and a redrawn list keeps the pictures it shows (a new <img> would load again).
   function refill(el, ...kids) {
     const next = fill(el.cloneNode(false), ...kids);
-    if (next.innerHTML !== el.innerHTML) el.replaceChildren(...next.childNodes);
+    if (next.innerHTML === el.innerHTML) return el;
+    const shown = Array.from(el.querySelectorAll('img[src]'));
+    for (const img of next.querySelectorAll('img[src]')) {
+      const same = shown.findIndex((old) => old.isEqualNode(img));
+      if (same >= 0) img.replaceWith(shown.splice(same, 1)[0]);
+    }
+    el.replaceChildren(...next.childNodes);
     return el;
   }
 
@@ -9471,17 +9478,26 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   }
 
   // Media may need the token, which an <img src> cannot send: fetch it once, show a
-  // blob URL (cached, so re-rendering a thread does not refetch or flicker).
+  // blob URL. An image drawn again gets its known src at once, so a redrawn list is the
+  // same HTML and keeps its images (a new one would load again: flicker, and a thumbnail
+  // never done while the list is redrawn).
   const images = new Map();  // absolute url -> Promise<src>
+  const imageSrc = new Map();  // absolute url -> its src, once known
   function authImage(url, alt) {
     const img = h('img', { alt: alt || 'attachment' });
     let abs;
     try { abs = new URL(url, ENDPOINT).href; } catch (err) { return img; }
+    if (imageSrc.has(abs)) {
+      img.src = imageSrc.get(abs);
+      return img;
+    }
     if (!images.has(abs)) {
-      images.set(abs, new URL(abs).origin !== ENDPOINT ? Promise.resolve(abs)
+      const asked = new URL(abs).origin !== ENDPOINT ? Promise.resolve(abs)
         : fetch(abs, { headers: { authorization: 'Bearer ' + TOKEN }, mode: 'cors', credentials: 'omit' })
           .then((r) => { if (!r.ok) throw new Error(String(r.status)); return r.blob(); })
-          .then((blob) => URL.createObjectURL(blob), () => abs));
+          .then((blob) => URL.createObjectURL(blob), () => abs);
+      images.set(abs, asked);
+      asked.then((src) => { imageSrc.set(abs, src); });
     }
     images.get(abs).then((src) => { img.src = src; });
     return img;

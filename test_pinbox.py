@@ -10830,6 +10830,14 @@ class TestToolbarInChromium(HubCase):
         thumb = toolbar_element('[data-pin-id="%s"] [data-pinbox="thumb"] img' % pins[1]["id"])
         b.wait_for("!!(%s) && (%s).complete && (%s).naturalWidth > 0" % (thumb, thumb, thumb))
         self.assertEqual(b.evaluate("(%s).alt" % thumb), "pin %d on its page" % pins[1]["n"])
+        # The list drawn again (a reply arrives) keeps the picture it has: the same element,
+        # not a new one loading again (a thumbnail that flickered, or never finished while
+        # the list kept being redrawn).
+        b.evaluate("window.thumbBefore = %s, true" % thumb)
+        self.ok("reply", pins[0]["id"], "Which heading font do you mean?", "--as", "agent")
+        b.wait_for("(%s).textContent.includes('Which heading font')" % toolbar_element(
+            '[data-pinbox="drawer-pin"][data-pin-id="%s"]' % pins[0]["id"]))
+        self.assertTrue(b.evaluate("window.thumbBefore === %s" % thumb))
         centre = b.evaluate("(() => { const i = %s, s = parseFloat(i.style.width) / %d; return [parseFloat(i.style.left)"
                             " + %d * s, parseFloat(i.style.top) + %d * s]; })()" % (thumb, pins[1]["env"]["viewport"]["w"],
                                                                                     spot["x"], spot["y"]))
