@@ -9480,7 +9480,8 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   // Media may need the token, which an <img src> cannot send: fetch it once, show a
   // blob URL. An image drawn again gets its known src at once, so a redrawn list is the
   // same HTML and keeps its images (a new one would load again: flicker, and a thumbnail
-  // never done while the list is redrawn).
+  // never done while the list is redrawn). One the hub could not give (it was restarting,
+  // the file not there yet) is asked for again the next time it is drawn.
   const images = new Map();  // absolute url -> Promise<src>
   const imageSrc = new Map();  // absolute url -> its src, once known
   function authImage(url, alt) {
@@ -9495,11 +9496,11 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       const asked = new URL(abs).origin !== ENDPOINT ? Promise.resolve(abs)
         : fetch(abs, { headers: { authorization: 'Bearer ' + TOKEN }, mode: 'cors', credentials: 'omit' })
           .then((r) => { if (!r.ok) throw new Error(String(r.status)); return r.blob(); })
-          .then((blob) => URL.createObjectURL(blob), () => abs);
+          .then((blob) => URL.createObjectURL(blob));
       images.set(abs, asked);
-      asked.then((src) => { imageSrc.set(abs, src); });
+      asked.then((src) => { imageSrc.set(abs, src); }, () => { images.delete(abs); });
     }
-    images.get(abs).then((src) => { img.src = src; });
+    images.get(abs).then((src) => { img.src = src; }, () => {});
     return img;
   }
 

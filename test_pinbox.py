@@ -10821,7 +10821,21 @@ class TestToolbarInChromium(HubCase):
         self.assertEqual([p["text"] for p in pins], ["Heading font", "Buy button is too loud"])
         self.assertEqual([a["kind"] for a in pins[0]["attachments"]], ["file"])  # no screenshot, and not called one
         b.allow_clipboard(self.site)
+        # The hub cannot give the page's picture the first time the list asks (its file is
+        # away for a moment): the list asks again when it is next drawn, and shows it.
+        page_picture = pins[1]["attachments"][0]["path"]
+        os.rename(page_picture, page_picture + ".away")
+        b.call("Network.enable", page=True)
         b.key("i")
+
+        def refused():  # (the browser's own record of the answers the page got)
+            b.evaluate("1")
+            return any(e.get("method") == "Network.responseReceived" and e["params"]["response"]["status"] == 404
+                       and e["params"]["response"]["url"].endswith("/media/" + os.path.basename(page_picture))
+                       for e in b.events)
+        eventually(refused, 10, "the list's first ask for the page's picture, answered 404")
+        b.call("Network.disable", page=True)
+        os.rename(page_picture + ".away", page_picture)
         # The list's thumbnail is the page's picture, the element in the middle of it.
         spot = pins[1]["target"]["spot"]
         centre = b.evaluate("(() => { const r = document.getElementById('buy').getBoundingClientRect(); "
