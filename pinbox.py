@@ -9481,7 +9481,8 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   // blob URL. An image drawn again gets its known src at once, so a redrawn list is the
   // same HTML and keeps its images (a new one would load again: flicker, and a thumbnail
   // never done while the list is redrawn). One the hub could not give (it was restarting,
-  // the file not there yet) is asked for again the next time it is drawn.
+  // the file not there yet) is asked for again when next drawn, 5 s on (a picture that
+  // never came, a teammate's over the size cap, costs a request per 5 s, not per draw).
   const images = new Map();  // absolute url -> Promise<src>
   const imageSrc = new Map();  // absolute url -> its src, once known
   function authImage(url, alt) {
@@ -9498,7 +9499,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
           .then((r) => { if (!r.ok) throw new Error(String(r.status)); return r.blob(); })
           .then((blob) => URL.createObjectURL(blob));
       images.set(abs, asked);
-      asked.then((src) => { imageSrc.set(abs, src); }, () => { images.delete(abs); });
+      asked.then((src) => { imageSrc.set(abs, src); }, () => { setTimeout(() => images.delete(abs), 5000); });
     }
     images.get(abs).then((src) => { img.src = src; }, () => {});
     return img;
