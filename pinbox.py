@@ -2467,14 +2467,14 @@ class InterruptsHeld:
     def __enter__(self):
         import signal
         import threading
-        self.held, self.previous = [], None
-        if threading.current_thread() is threading.main_thread():
+        self.held, self.main = [], threading.current_thread() is threading.main_thread()
+        if self.main:
             self.previous = signal.signal(signal.SIGINT, lambda signum, frame: self.held.append(signum))
 
     def __exit__(self, *exc):
         import signal
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+        if self.main:  # (None: a handler not set from Python, which cannot be put back)
+            signal.signal(signal.SIGINT, signal.SIG_DFL if self.previous is None else self.previous)
             if self.held:
                 signal.raise_signal(signal.SIGINT)
 
@@ -3161,10 +3161,11 @@ def set_sync_settings(conn, **values):
 def outgoing(conn, kind, payload):
     """What of a local event travels: not this machine's pin number nor the paths of
     its files; a resolution or a verdict as just itself (the pin is folded again there)."""
+    if kind == "pin.after":  # the look and its picture, not the whole pin again
+        payload = {"id": payload.get("id"), "after": payload.get("after"), "attachments": [
+            a for a in payload.get("attachments") or () if isinstance(a, dict) and a.get("kind") == "after"]}
     if kind in MEDIA_EVENTS:
-        data = {k: v for k, v in payload.items() if k not in ("n", "machine")} if kind == "pin.created" else {
-            "id": payload.get("id"), "after": payload.get("after"), "attachments": [
-                a for a in payload.get("attachments") or () if isinstance(a, dict) and a.get("kind") == "after"]}
+        data = {k: v for k, v in payload.items() if k not in ("n", "machine")}
         if data.get("attachments"):
             data["attachments"] = [{k: v for k, v in a.items() if k != "path"} for a in data["attachments"]
                                    if isinstance(a, dict)]
@@ -3653,6 +3654,16 @@ def machine_of(event):
     return {"device": event["device"], "host": event.get("host") or "", "author": event.get("author") or ""}
 
 
+def local_attachment(attachment, media):
+    """A teammate's attachment as this store names it: with its path here once its file
+    came (never the path it had on the other machine)."""
+    name = media_name(attachment)
+    attachment = {k: v for k, v in attachment.items() if k != "path"}
+    if name and os.path.isfile(os.path.join(media, name)):
+        attachment["path"] = os.path.join(media, name)
+    return attachment
+
+
 def apply_event(conn, store, event, media, appended):
     """Stores one imported event: True once stored, False while the pin it is about has
     not arrived, or the reason it is set aside (a second creation of a pin, a message id
@@ -3663,14 +3674,7 @@ def apply_event(conn, store, event, media, appended):
             return "%s was created already" % data["id"]
         pin = {k: v for k, v in data.items() if k not in ("n", "agentSession", "status", "resolution", "verification")}
         text = pin.get("text") if isinstance(pin.get("text"), str) else ""
-        attachments = []
-        for attachment in pin.get("attachments") or ():
-            if isinstance(attachment, dict):
-                name = media_name(attachment)
-                attachment = {k: v for k, v in attachment.items() if k != "path"}
-                if name and os.path.isfile(os.path.join(media, name)):
-                    attachment["path"] = os.path.join(media, name)
-                attachments.append(attachment)
+        attachments = [local_attachment(a, media) for a in pin.get("attachments") or () if isinstance(a, dict)]
         if attachments:
             pin["attachments"] = attachments
         pin = insert_pin(conn, store, dict(pin, text=text, machine=machine_of(event)), imported_at=event["at"])
@@ -3740,10 +3744,9 @@ def refold_pin(conn, pin_id, device, appended, media):
     pin.update(status=status)
     if after is not None and after["after"].get("at", "") >= (pin.get("after") or {}).get("at", ""):
         # (one taken here since this sync staged its events is newer, and stays)
-        pictures = [dict(a, path=os.path.join(media, media_name(a))) if media_name(a) and os.path.isfile(
-            os.path.join(media, media_name(a))) else a for a in after.get("attachments") or ()]
         pin["after"] = after["after"]
-        pin["attachments"] = [a for a in pin.get("attachments") or () if a.get("kind") != "after"] + pictures
+        pin["attachments"] = [a for a in pin.get("attachments") or () if a.get("kind") != "after"] + [
+            local_attachment(a, media) for a in after.get("attachments") or ()]
     for field, value in (("resolution", resolution), ("verification", verification)):
         if value is None:
             pin.pop(field, None)
