@@ -1,5 +1,29 @@
-#!/usr/bin/env python3
-"""pinbox: pins dropped on a running web app, delivered to the coding agent already
+#!/bin/sh
+""":"
+# Run as a command (on PATH under any name, or ./pinbox.py), this file is read first by
+# sh, which stops at the `exec` below: it hands the file to Python as an import, so
+# Python runs it from cached bytecode (beside the file, or under ~/.cache/pinbox/pycache
+# when that folder is not writable) instead of compiling all of it on every run.
+# The interpreter is the one the first run recorded: a pyenv shim costs ~0.1 s a run.
+# `python3 pinbox.py` reads these lines as part of the module's docstring.
+py=${PINBOX_PYTHON:-}
+[ -n "$py" ] || { read -r py <"${HOME:-/}/.cache/pinbox/python"; } 2>/dev/null
+command -v "$py" >/dev/null 2>&1 || py=python3
+exec "$py" -I -S -c '
+import sys, os
+path = os.path.realpath(sys.argv.pop(1))
+sys.argv[0] = path
+if not os.access(os.path.dirname(path), os.W_OK):
+    sys.pycache_prefix = os.path.join(os.path.expanduser("~"), ".cache", "pinbox", "pycache")
+from importlib.machinery import SourceFileLoader
+loader = SourceFileLoader("pinbox", path)
+module = sys.modules["pinbox"] = type(sys)("pinbox")
+module.__file__ = path
+loader.exec_module(module)
+module.main_as_command()
+' "$0" "$@"
+
+pinbox: pins dropped on a running web app, delivered to the coding agent already
 working in the repo, resolved by the commit that fixes them.
 
 One file, standard library only. Run it as a command (`pinbox pin "…"`, `pinbox list`)
@@ -8,9 +32,13 @@ effects.
 """
 
 import os
-import sqlite3
 import sys
 import time
+
+try:  # the C module alone: the sqlite3 package adds datetime and collections, ~4 ms a hook
+    import _sqlite3 as sqlite3
+except ImportError:  # an interpreter that builds sqlite3 another way
+    import sqlite3
 
 VERSION = "0.2.0"
 
@@ -130,8 +158,8 @@ def env_number(name, default):
 
 
 def git_output(args, cwd):
-    """stdout of a git command, or None when git is missing or fails."""
-    return command_output(["git"] + args, cwd)
+    """stdout of a git command run in `cwd`, or None when git is missing or fails."""
+    return command_output(["git"] + (["-C", cwd] if cwd else []) + args)
 
 
 def git_stamp(root):
@@ -183,17 +211,42 @@ def self_path():
     return os.path.abspath(__file__)
 
 
-def command_output(argv, cwd=None):
-    """stdout of a short command, or None when it is missing or fails."""
-    import subprocess
+def user_cache(name):
+    """A path in pinbox's folder of this user's caches, which the file's sh head reads
+    too (the interpreter it runs, bytecode for a copy in a folder it cannot write)."""
+    return os.path.join(os.path.expanduser("~"), ".cache", "pinbox", name)
+
+
+def command_output(argv, timeout=10.0):
+    """stdout of a short command, or None when it is missing, fails or runs past
+    `timeout` (then it is killed). Started with posix_spawn, not subprocess: importing
+    subprocess (threading, selectors, locale, re) costs the commit hook more than git."""
+    import select
+    reader, writer = os.pipe()  # both close on exec; the child gets `writer` as its stdout
     try:
-        done = subprocess.run(argv, cwd=cwd, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=10)
-    except (OSError, subprocess.SubprocessError):
+        pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=[
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0), (os.POSIX_SPAWN_DUP2, writer, 1),
+            (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)])
+    except OSError:
+        os.close(reader)
         return None
-    if done.returncode != 0:
+    finally:
+        os.close(writer)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while select.select([reader], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            chunk = os.read(reader, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        else:
+            os.kill(pid, 9)  # SIGKILL: past its time
+    finally:
+        os.close(reader)
+        _, status = os.waitpid(pid, 0)
+    if not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0):
         return None
-    return done.stdout.decode("utf-8", "replace")
+    return b"".join(chunks).decode("utf-8", "replace")
 
 
 def write_file(path, data, mode=None, private=False):
@@ -6946,8 +6999,7 @@ def pinbox_argv(args, gone="sys.exit(0)"):
         return [python, "-I", "-S", archive] + list(args)
     command = [python, "-I", "-S"]
     if not os.access(os.path.dirname(path), os.W_OK):
-        cache = os.path.join(os.path.expanduser("~"), ".cache", "pinbox", "pycache")
-        command += ["-X", "pycache_prefix=" + cache]
+        command += ["-X", "pycache_prefix=" + user_cache("pycache")]
     folder, name = os.path.split(path)
     if name.endswith(".py"):
         boot = _BOOT_IMPORT % (json.dumps(path), gone, json.dumps(folder), json.dumps(name[:-3]))
@@ -7132,15 +7184,11 @@ def team_hook_command(root, agent, verb):
     rel = vendored_path(root)
     if rel is None:
         return "command -v pinbox >/dev/null 2>&1 && %s%s" % (shlex.join(["pinbox"] + args), SHELL_TAIL)
-    folder, name = os.path.split(rel)
     where = '"$top"/%s' % shlex.quote(rel)
-    if name.endswith(".py"):  # imported, so Python runs it from its cached bytecode
-        run = "python3 -I -S -c %s \"$top\"/%s %s" % (
-            shlex.quote("import sys;sys.path.append(sys.argv.pop(1));__import__(%r).main()" % name[:-3]),
-            shlex.quote(folder or "."), shlex.join(args))
-    else:
-        run = "python3 -I -S %s %s" % (where, shlex.join(args))
-    return 'top="$(git rev-parse --show-toplevel 2>/dev/null)" && [ -f %s ] && %s%s' % (where, run, SHELL_TAIL)
+    # Through the file's own sh head: from cached bytecode, with the interpreter this
+    # machine recorded (no pyenv shim), whatever the file's name and mode bits.
+    return 'top="$(git rev-parse --show-toplevel 2>/dev/null)" && [ -f %s ] && sh %s %s%s' % (
+        where, where, shlex.join(args), SHELL_TAIL)
 
 
 def local_fallback_command(agent, verb):
@@ -9184,6 +9232,20 @@ def as_pinbox_error(exc, ctx):
         traceback.print_exc()
     return PinboxError("E_INTERNAL", "%s: %s" % (type(exc).__name__, exc),
                        "this is a bug in pinbox; set PINBOX_DEBUG=1 to see where")
+
+
+def main_as_command():
+    """Where the file's sh head lands (the file run as a command). The interpreter that
+    runs it is recorded for the head's next run, which then skips PATH's `python3` (a
+    pyenv shim is a shell script costing ~0.1 s a run). PINBOX_PYTHON chooses instead."""
+    record, line = user_cache("python"), sys.executable + "\n"
+    if sys.executable and not os.environ.get("PINBOX_PYTHON"):
+        try:
+            if read_text(record) != line:
+                write_file(record, line)
+        except (OSError, ValueError):
+            pass  # a HOME nobody may write: the next run looks up python3 again
+    main()
 
 
 def main():

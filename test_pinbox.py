@@ -244,6 +244,15 @@ class PinboxCase(unittest.TestCase):
     def pin(self, text="Save button is clipped", *flags):
         return self.ok("pin", text, *flags)
 
+    def write(self, path, text):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as handle:
+            handle.write(text)
+
+    def read(self, path):
+        with open(path) as handle:
+            return handle.read()
+
     @property
     def db_path(self):
         return os.path.join(self.repo, ".pinbox", "pinbox.db")
@@ -9761,15 +9770,6 @@ class TestInitAgents(PinboxCase):
     def path(self, *parts):
         return os.path.join(self.repo, *parts)
 
-    def write(self, path, text):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as handle:
-            handle.write(text)
-
-    def read(self, path):
-        with open(path) as handle:
-            return handle.read()
-
     def test_claude_settings_keep_the_users_hooks_and_keys(self):
         user = {"model": "opus", "env": {"FOO": "1"}, "hooks": {
             "UserPromptSubmit": [{"matcher": "", "hooks": [{"type": "command", "command": "./my/inject.sh"}]}],
@@ -10447,7 +10447,7 @@ class TestCommandLine(PinboxCase):
         self.assertFalse(os.path.exists(os.path.join(self.repo, ".pinbox")))  # reading made no store
         self.assertTrue(os.access(SCRIPT, os.X_OK))
         with open(SCRIPT) as handle:
-            self.assertEqual(handle.readline(), "#!/usr/bin/env python3\n")
+            self.assertEqual(handle.readline(), "#!/bin/sh\n")  # see TestTheFileAsACommand
         done = subprocess.run([SCRIPT, "--version"], stdout=subprocess.PIPE, env=self.env, cwd=self.repo)
         self.assertEqual(done.stdout.decode().strip(), pinbox.VERSION)
         quiet = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, %r); import pinbox" % HERE],
@@ -10552,6 +10552,141 @@ class TestCommandLine(PinboxCase):
         r = self.run_pinbox("doctor")
         self.assertEqual(r.code, 1)
         self.assertFalse([c for c in r.json["data"]["checks"] if c["name"] == "state-dir"][0]["ok"])
+
+
+# ============================================================================
+# Entry points
+# ============================================================================
+
+class TestTheFileAsACommand(PinboxCase):
+    """The file is also a command: dropped into PATH under any name, run as ./pinbox.py,
+    vendored into a repository, zipped, or given to python3 — the same answers each way,
+    and the forms that sh starts run from cached bytecode."""
+
+    def setUp(self):
+        super().setUp()
+        self.env["PINBOX_PYTHON"] = sys.executable  # no PATH lookup unless a test asks for one
+
+    def dropped(self, name="pb", folder="bin"):
+        """A copy of pinbox.py as `curl -o ~/bin/pb …; chmod +x` leaves it."""
+        path = os.path.join(self.tmp, folder, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        shutil.copy(SCRIPT, path)
+        os.chmod(path, 0o755)
+        return path
+
+    def test_every_way_of_running_the_file_gives_the_same_answers(self):
+        """README's Start here commands, errors and stdin through each form, each in a
+        repository and HOME of its own: the same output and exit codes, ids, times and
+        paths aside."""
+        build = os.path.join(self.tmp, "build")  # as README's Install says
+        os.makedirs(build)
+        shutil.copy(SCRIPT, os.path.join(build, "pinbox.py"))
+        zipped = os.path.join(self.tmp, "pinbox.pyz")
+        subprocess.run([sys.executable, "-m", "compileall", "-q", "-b", build], check=True)
+        subprocess.run([sys.executable, "-m", "zipapp", build, "-m", "pinbox:main", "-o", zipped], check=True)
+        forms = {"python3 pinbox.py": lambda repo: [sys.executable, SCRIPT],
+                 "dropped into PATH": lambda repo: [os.path.basename(self.dropped())],
+                 "./pinbox.py": lambda repo: [self.dropped("pinbox.py", "download")],
+                 "vendored": lambda repo: [self.dropped_into(repo)],
+                 "zipapp": lambda repo: [sys.executable, zipped]}
+        seen = {}
+        for name, form in forms.items():
+            repo, home = os.path.join(self.tmp, "repo-" + str(len(seen))), os.path.join(self.tmp, "home-" + str(len(seen)))
+            os.makedirs(repo)
+            os.makedirs(home)
+            git(repo, "init", "-q", "-b", "main")
+            git(repo, "config", "user.email", "pat@example.com")
+            git(repo, "config", "user.name", "Pat Tester")
+            git_commit(repo)
+            env = dict(self.env, HOME=home, PATH=os.path.join(self.tmp, "bin") + os.pathsep + self.env["PATH"])
+            seen[name] = self.transcript(form(repo), repo, home, env)
+        for name, transcript in seen.items():
+            self.assertEqual(transcript, seen["python3 pinbox.py"], name)
+
+    def dropped_into(self, repo):
+        path = os.path.join(repo, "tools", "pinbox.py")
+        os.makedirs(os.path.dirname(path))
+        shutil.copy(SCRIPT, path)
+        return path
+
+    @staticmethod
+    def transcript(argv, repo, home, env):
+        steps = [(("init", "--agent", "claude"), b""),
+                 (("pin", "The total is cut off", "--url", "http://localhost:3000/cart", "--selector", "#total"), b""),
+                 (("pin", "-", "--json"), b"from stdin\nwith a second line \xe2\x9c\x93"),
+                 (("list",), b""), (("session", "inject", "--raw"), b""), (("show", "9"), b""),
+                 (("pin", "-"), b"\xff not utf-8"), (("stop",), b"")]
+        lines = []
+        for args, stdin in steps:
+            done = subprocess.run(argv + list(args), cwd=repo, env=env, input=stdin, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, timeout=60)
+            text = "%s -> %d\n%s\n%s" % (" ".join(args), done.returncode, done.stdout.decode(), done.stderr.decode())
+            text = text.replace(repo, "<repo>").replace(home, "<home>")
+            text = re.sub(r"\b[0-9a-f]{40}\b|(?<=@ )[0-9a-f]{7}\b", "<sha>", text)
+            lines.append(re.sub(r"\d{4}-\d\d-\d\dT[\d:.]+Z", "<time>", re.sub(r"pin_[a-z0-9]{10}", "<pin>", text)))
+        return lines
+
+    def test_run_as_a_command_the_file_runs_from_cached_bytecode_with_the_python_it_recorded(self):
+        """`python3 script` compiles the whole file on every run; run as a command, sh
+        hands it to Python as an import, which keeps its bytecode. The interpreter PATH
+        names (here a wrapper counting its runs, as a pyenv shim is a script) is asked
+        once; its Python is recorded and started directly after."""
+        counter = os.path.join(self.tmp, "shim-runs")
+        shim = os.path.join(self.tmp, "shim", "python3")
+        os.makedirs(os.path.dirname(shim))
+        with open(shim, "w") as handle:
+            handle.write("#!/bin/sh\necho run >>%s\nexec %s \"$@\"\n" % (shlex.quote(counter), shlex.quote(sys.executable)))
+        os.chmod(shim, 0o755)
+        del self.env["PINBOX_PYTHON"]
+        self.env["PATH"] = os.path.dirname(shim) + os.pathsep + self.env["PATH"]
+        runs = lambda: len(self.read(counter).split()) if os.path.exists(counter) else 0
+        record = os.path.join(self.env["HOME"], ".cache", "pinbox", "python")
+        command = self.dropped("pinbox")
+        cache = os.path.join(os.path.dirname(command), "__pycache__")
+        first = self.run_as([command, "--version"])
+        self.assertEqual((first.returncode, first.stdout), (0, pinbox.VERSION.encode() + b"\n"))
+        self.assertEqual((runs(), self.read(record)), (1, sys.executable + "\n"))
+        self.assertEqual(len(os.listdir(cache)), 1, "no bytecode kept beside the command")
+        compiled = os.path.join(cache, os.listdir(cache)[0])
+        made = os.stat(compiled).st_mtime_ns
+        again = self.run_as([command, "list", "--json"])
+        self.assertEqual((again.returncode, json.loads(again.stdout)), (0, {"ok": True, "data": []}))
+        self.assertEqual(runs(), 1, "PATH's python3 was asked again")
+        self.assertEqual(os.stat(compiled).st_mtime_ns, made, "the bytecode was made again")
+        # A recorded interpreter that is gone: PATH's python3 again, and recorded again.
+        self.write(record, "/nonexistent/python3\n")
+        self.assertEqual(self.run_as([command, "--version"]).returncode, 0)
+        self.assertEqual((runs(), self.read(record)), (2, sys.executable + "\n"))
+        # PINBOX_PYTHON chooses, and is not recorded.
+        self.assertEqual(self.run_as([command, "--version"], PINBOX_PYTHON=shim).returncode, 0)
+        self.assertEqual((runs(), self.read(record)), (3, sys.executable + "\n"))
+        # The same with the .py name run as ./pinbox.py: its bytecode is the module's own.
+        script = self.dropped("pinbox.py", "download")
+        self.assertEqual(self.run_as(["./pinbox.py", "--version"], cwd=os.path.dirname(script)).returncode, 0)
+        self.assertTrue(os.path.exists(importlib_cache(script)))
+
+    def run_as(self, argv, cwd=None, **env):
+        return subprocess.run(argv, cwd=cwd or self.repo, env=dict(self.env, **env), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+
+    def test_ctrl_c_reaches_the_command_itself(self):
+        """sh execs Python: the pid the shell started is pinbox's, so a Ctrl-C ends it
+        as it ends `python3 pinbox.py` (130, "pinbox: interrupted"), and nothing is left."""
+        for argv in ([sys.executable, SCRIPT], [self.dropped()]):
+            reader = subprocess.Popen(argv + ["pin", "-"], cwd=self.repo, env=self.env, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            self.addCleanup(reader.kill)
+            waiting = lambda: "pipe_read" in self.read("/proc/%d/wchan" % reader.pid)
+            eventually(waiting, 30, "%s blocked reading its stdin" % argv)
+            reader.send_signal(signal.SIGINT)
+            out, err = reader.communicate(timeout=30)
+            self.assertEqual((reader.returncode, out, err), (130, b"", b"pinbox: interrupted\n"), argv)
+
+
+def importlib_cache(path):
+    import importlib.util
+    return importlib.util.cache_from_source(path)
 
 
 # ============================================================================

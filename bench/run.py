@@ -10,6 +10,7 @@ Prints a table and writes the same figures as JSON (default bench/results/latest
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -306,6 +307,94 @@ def bench_cli(runs, workdir):
     rows.append(dict(name="python3 pinbox.py list --status open (script, compiled each run)", **summarize(direct)))
     rows.append(dict(name="pinbox list --status open (the installed launcher)", **summarize(launcher),
                      speedup=round(statistics.median(direct) / statistics.median(launcher), 2)))
+    return rows
+
+
+def bench_forms(runs, workdir):
+    """Every way of running pinbox, for `list --json` (10 pins: what start-up costs shows)
+    and for the prompt hook (100 open and 2,000 resolved pins), all taken in turn run by
+    run beside the floor:
+    the file dropped into PATH (its sh head), `python3 pinbox.py` (compiled each run),
+    the installed launcher, a copy vendored in the repository, a zipapp; the hooks as
+    init writes them (this machine's form, the team's form finding the launcher or the
+    dropped-in file on PATH, the team's form finding a vendored copy)."""
+    env = bench_env(workdir)
+    dropped = os.path.join(workdir, "dropped")
+    os.makedirs(dropped)
+    shutil.copy(os.path.join(ROOT, "pinbox.py"), os.path.join(dropped, "pinbox"))
+    os.chmod(os.path.join(dropped, "pinbox"), 0o755)
+    zipped, bare_zip = os.path.join(workdir, "pinbox.pyz"), os.path.join(workdir, "bare.pyz")
+    for target, compiled in ((zipped, True), (bare_zip, False)):  # README's way (its bytecode inside), and without
+        build = tempfile.mkdtemp(dir=workdir)
+        shutil.copy(os.path.join(ROOT, "pinbox.py"), build)
+        if compiled:
+            subprocess.run([sys.executable, "-m", "compileall", "-q", "-b", build], check=True)
+        subprocess.run([sys.executable, "-m", "zipapp", build, "-m", "pinbox:main", "-o", target], check=True)
+    repos = {}
+    for name in ("installed", "vendored", "small"):
+        path = os.path.join(workdir, name)
+        make_repo(path, env)
+        script = os.path.join(ROOT, "pinbox.py")
+        if name == "vendored":
+            script = os.path.join(path, "tools", "pinbox.py")
+            os.makedirs(os.path.dirname(script))
+            shutil.copy(os.path.join(ROOT, "pinbox.py"), script)
+        subprocess.run([sys.executable, script, "init", "--agent", "claude"], cwd=path, env=env, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        store = pinbox.Store(os.path.join(path, ".pinbox"))
+        fill(store, *((0, 10) if name == "small" else (2000, 100)))
+        store.close()
+        with open(os.path.join(path, ".claude", "settings.json")) as handle:
+            repos[name] = (path, json.load(handle)["hooks"]["UserPromptSubmit"][0]["hooks"][0]["command"])
+    repo, team = repos["installed"]
+    small = repos["small"][0]
+    on_path_dropped = dict(env, PATH=dropped + os.pathsep + env["PATH"].split(os.pathsep, 1)[1])
+    floor = (["sh", "-c", shlex.join(FLOOR)], repo, env, b"")
+    lists = [("floor: python3 -I -S -c pass", floor),
+             ("floor through PATH's python3 (here: %s)" % (shutil.which("python3") or "none"),
+              (["sh", "-c", "python3 -I -S -c pass"], repo, env, b"")),
+             ("list: the file dropped into PATH", ([os.path.join(dropped, "pinbox"), "list", "--json"], small, env,
+                                                   b"")),
+             ("list: the installed launcher", ([os.path.join(workdir, "bin", "pinbox"), "list", "--json"], small, env,
+                                               b"")),
+             ("list: python3 pinbox.py (compiled each run)",
+              ([sys.executable, os.path.join(ROOT, "pinbox.py"), "list", "--json"], small, env, b"")),
+             ("list: a copy vendored in the repository",
+              (["sh", os.path.join(repos["vendored"][0], "tools", "pinbox.py"), "list", "--json"], small, env, b"")),
+             ("list: a zipapp, built as README says", ([sys.executable, zipped, "list", "--json"], small, env, b"")),
+             ("list: a zipapp of the bare file (compiled each run)",
+              ([sys.executable, bare_zip, "list", "--json"], small, env, b""))]
+    inject = ["session", "inject", "--hook", "--agent", "claude"]
+    hooks = [("prompt hook: this machine's form (settings.local.json)",
+              (["sh", "-c", pinbox.agent_hook_command("claude", "inject")], repo, env, hook_payload(repo))),
+             ("prompt hook: the team's form, the launcher on PATH", (["sh", "-c", team], repo, env, hook_payload(repo))),
+             ("prompt hook: the team's form, the file dropped into PATH",
+              (["sh", "-c", team], repo, on_path_dropped, hook_payload(repo))),
+             ("prompt hook: the team's form, a vendored copy",
+              (["sh", "-c", repos["vendored"][1]], repos["vendored"][0], env, hook_payload(repos["vendored"][0]))),
+             ("prompt hook: a zipapp, built as README says",
+              ([sys.executable, "-I", "-S", zipped] + inject, repo, env, hook_payload(repo)))]
+    forms = lists + hooks
+    for name, (command, cwd, form_env, stdin) in forms:  # warm: bytecode written, the interpreter recorded
+        done = subprocess.run(command, cwd=cwd, env=form_env, input=stdin, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+        expected = b"" if name.startswith("floor") else b"100 open pin(s)" if "hook" in name else b'"ok": true'
+        if done.returncode != 0 or expected not in done.stdout:
+            raise SystemExit("bench: %s answered %r %r" % (name, done.stdout[:200], done.stderr[:200]))
+    samples = {name: [] for name, _ in forms}
+    for _ in range(runs):
+        for name, (command, cwd, form_env, stdin) in forms:
+            samples[name].append(timed_rss(command, cwd, form_env, stdin)[0])
+    floor_runs = samples[forms[0][0]]
+    rows = []
+    for name, _ in forms:
+        row = dict(name=name, **summarize(samples[name]))
+        if not name.startswith("floor"):
+            row["over_floor_ms"] = round(statistics.median([a - f for a, f in zip(samples[name], floor_runs)]), 2)
+        rows.append(row)
+    launcher = samples["list: the installed launcher"]
+    rows.append(dict(name="  the dropped-in file / the launcher (paired)", ratio=round(statistics.median(
+        [a / b for a, b in zip(samples["list: the file dropped into PATH"], launcher)]), 2), target_ratio=1.3))
     return rows
 
 
@@ -954,12 +1043,15 @@ def bench_evidence(runs, workdir):
         app.wait()
 
 
-BENCHMARKS = {"hooks": bench_hooks, "flood": bench_flood, "commit": bench_commit, "cli": bench_cli, "hub": bench_hub,
+BENCHMARKS = {"forms": bench_forms, "hooks": bench_hooks, "flood": bench_flood, "commit": bench_commit, "cli": bench_cli, "hub": bench_hub,
               "delivery": bench_delivery, "inbox": bench_inbox, "proxy": bench_proxy, "toolbar": bench_toolbar,
               "mcp": bench_mcp, "sync": bench_sync, "evidence": bench_evidence}
 
 
 def format_row(row):
+    if "ratio" in row:
+        return "%-58s %10.2f %21s  < %.1f %s" % (row["name"], row["ratio"], "", row["target_ratio"],
+                                                 "met" if row["ratio"] < row["target_ratio"] else "MISSED")
     if "bytes" in row:
         return "%-58s %21s" % (row["name"], "%d bytes" % row["bytes"] + (", %d gzipped" % row["gzip_bytes"]
                                                                           if "gzip_bytes" in row else ""))
@@ -976,6 +1068,8 @@ def format_row(row):
         target = "floor + %.1f ms (target < %d) %s" % (row["over_floor_ms"], row["target_over_floor_ms"],
                                                        "met" if row["over_floor_ms"] < row["target_over_floor_ms"]
                                                        else "MISSED")
+    if "over_floor_ms" in row and not target:
+        target = "floor + %.1f ms" % row["over_floor_ms"]
     rss = "%d MiB" % (row["rss_kib"] // 1024) if "rss_kib" in row else ""
     return "%-58s %10.2f %10.2f %9s  %s" % (row["name"], row["median_ms"], row["p90_ms"], rss, target)
 
