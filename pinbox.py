@@ -2090,15 +2090,16 @@ SEEING = ("Attached files are pictures of what the person saw when they dropped 
 
 
 LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # what str.splitlines breaks at
+_FLAT = str.maketrans(dict({ch: " ⏎ " for ch in LINE_BREAKS}, **{"\t": " "}))
 
 
 def flat(text):
     """One line of text: a pin line can never be broken into lines that look like
-    pinbox's own."""
-    out = []
-    for ch in text:
-        out.append(" ⏎ " if ch in LINE_BREAKS else " " if ch == "\t" else ch)
-    return plain("".join(out)).replace(" ⏎  ⏎ ", " ⏎ ")  # (one plain() a line: it runs on every prompt)
+    pinbox's own. (It runs on every field of every pin of every prompt: a printable
+    line, the usual case, is returned as it is.)"""
+    if text.isprintable():
+        return text
+    return plain(text.translate(_FLAT)).replace(" ⏎  ⏎ ", " ⏎ ")
 
 
 def fenced(text):
@@ -9198,9 +9199,11 @@ class HookArgs:
             setattr(self, flag[2:], rest.pop(0))
 
 
-def run_hook(argv, cwd=None):
+def run_hook(argv, cwd=None, close=True):
     """A hook never fails its caller (an agent's turn, a commit): whatever goes wrong
-    is one line on stderr, and the exit status is 0."""
+    is one line on stderr, and the exit status is 0. Without `close` the store is left
+    open for a process that exits at once: closing the last connection runs SQLite's
+    checkpoint (~3 ms of every prompt), which the next writer does anyway."""
     ctx = None
     try:
         ctx = Context(HookArgs(argv), Output(False), cwd, timeout=HOOK_TIMEOUT_S)
@@ -9211,7 +9214,7 @@ def run_hook(argv, cwd=None):
         if not isinstance(exc, KeyboardInterrupt):
             write_err("pinbox: %s\n" % as_pinbox_error(exc, ctx).message)
     finally:
-        if ctx is not None:
+        if ctx is not None and close:
             try:
                 ctx.close()
             except Exception:
@@ -9255,18 +9258,18 @@ def main():
             stream.reconfigure(errors="backslashreplace")
         except (AttributeError, ValueError):
             pass
-    code = run()
-    if is_hook_command(sys.argv[1:]):
-        # A hook is done once its output is out: skip the interpreter's teardown (and
-        # the WAL checkpoint SQLite runs when the last connection closes; the next
-        # writer does that). Every prompt and every commit waits for this process.
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except OSError:
-            pass
-        os._exit(0)
-    sys.exit(code)
+    if not is_hook_command(sys.argv[1:]):
+        sys.exit(run())
+    run_hook(_split_json_flag(sys.argv[1:])[1][1:], close=False)
+    # A hook is done once its output is out: skip the interpreter's teardown (and the
+    # WAL checkpoint SQLite runs when the last connection closes; the next writer does
+    # that). Every prompt and every commit waits for this process.
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except OSError:
+        pass
+    os._exit(0)
 
 
 # ============================================================================
