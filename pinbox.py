@@ -162,6 +162,13 @@ def git_output(args, cwd):
     return command_output(["git"] + (["-C", cwd] if cwd else []) + args)
 
 
+# The files in a project that `init` writes or edits (see Installers): pinbox's own change
+# to one is nobody's uncommitted work, so it never makes a pin's env dirty.
+PROJECT_FILES = (".gitignore", ".claude/settings.json", ".codex/hooks.json", ".gemini/settings.json", "GEMINI.md",
+                 "AGENTS.md", "opencode.json", ".cursor/mcp.json", ".cursor/rules/pinbox.mdc", ".vscode/mcp.json",
+                 ".github/copilot-instructions.md", ".windsurf/rules/pinbox.md")
+
+
 def git_stamp(root):
     """The branch and commit the project is on, and whether a tracked file differs from
     that commit, for a new pin's env (empty outside git or before the first commit)."""
@@ -169,14 +176,21 @@ def git_stamp(root):
     lines = (out or "").split()
     if len(lines) != 2:
         return {}
-    changes = git_output(["status", "--porcelain", "--untracked-files=no"], root)
+    changes = git_output(["status", "--porcelain", "--untracked-files=no", "--", ":/"]
+                         + [":(exclude)" + path for path in PROJECT_FILES], root)
     stamp = {"branch": lines[1], "commit": lines[0]}
     return stamp if changes is None else dict(stamp, dirty=bool(changes.strip()))
 
 
 def git_author(cwd):
-    out = git_output(["config", "--get-regexp", r"^user\.(name|email)$"], cwd) or ""
-    found = {}
+    """Who git would name as a commit's author here, in git's own order (GIT_AUTHOR_NAME
+    and GIT_AUTHOR_EMAIL, then author.* and user.* config), never a name and address
+    guessed from the host (useConfigOnly); else the half of it config has, else $USER."""
+    ident = git_output(["-c", "user.useConfigOnly=true", "var", "GIT_AUTHOR_IDENT"], cwd) or ""
+    name, _, rest = ident.partition(" <")  # "Name <email> 1700000000 +0000"
+    email = rest.partition(">")[0]
+    found = {"name": name.strip(), "email": email.strip()} if name.strip() and email.strip() else {}
+    out = "" if found else git_output(["config", "--get-regexp", r"^user\.(name|email)$"], cwd) or ""
     for line in out.splitlines():
         key, _, value = line.partition(" ")
         if value.strip():
@@ -1336,14 +1350,15 @@ def find_pin(conn, handle, named=False):
     by the number the page and `list` show (`3` or `#3`, this machine's own), and one
     that is not there is E_NOT_FOUND, saying what was asked for."""
     number = None
-    if named:
-        import re
+    if named:  # (no regular expression: the commit hook finds its pins here, and re costs it ~7 ms)
         handle = normalize_id(handle)
-        number = re.fullmatch(r"#?([0-9]{1,15})", handle) if isinstance(handle, str) else None
+        digits = handle[1:] if isinstance(handle, str) and handle.startswith("#") else handle
+        number = digits if isinstance(digits, str) and 0 < len(digits) <= 15 and digits.isascii() and \
+            digits.isdigit() else None
     row = conn.execute("SELECT json FROM pins WHERE n = ?" if number else "SELECT json FROM pins WHERE id = ?",
-                       (int(number.group(1)) if number else handle,)).fetchone()
+                       (int(number) if number else handle,)).fetchone()
     if row is None and named:
-        raise PinboxError("E_NOT_FOUND", "no pin %s" % (("number %s" % number.group(1)) if number else
+        raise PinboxError("E_NOT_FOUND", "no pin %s" % (("number %s" % number) if number else
                                                          "with id %s" % plain(str(handle)[:80])), NOT_FOUND_HINT)
     return json_loads(row[0]) if row else None
 
@@ -1477,6 +1492,9 @@ def verify_pin(store, handle, outcome, note=None):
         if pin.get("status") != "resolved":
             raise PinboxError("E_CONFLICT", "%s is not resolved" % pin["id"],
                               "only a resolved pin can be %s" % outcome)
+        standing = pin.get("verification") or {}
+        if (standing.get("outcome"), standing.get("note")) == (outcome, note):
+            return ordered(pin, PIN_KEYS)  # the verdict that stands, again: no news for anyone
         verification = ordered({"outcome": outcome, "note": note, "at": iso_time()},
                                ("outcome", "note", "at"))
         pin["verification"] = verification
@@ -2777,34 +2795,80 @@ def release_leases(hub, owner):
 
 # A keyword counts where it starts a line or follows punctuation ("fix: cta — Resolves:
 # pin_…", "Fixes A, closes B"), never inside prose ("this never fixes pin_…"). Several ids
-# may follow one keyword: "Fixes: pin_a, pin_b".
-_PIN_REF = r"(?:pin[ \t]+)?pin_[a-z0-9]{10}\b"
-TRAILER_RE = None
-
-
-def trailer_pattern():
-    global TRAILER_RE
-    if TRAILER_RE is None:
-        import re
-        TRAILER_RE = re.compile(
-            r"(?im)(?:^|(?<=[^\w\s]))[ \t]*(?:fixes|resolves|closes)\b:?[ \t]*"
-            r"(%s(?:[ \t]*(?:,|&|\band\b)?[ \t]*%s)*)" % (_PIN_REF, _PIN_REF))
-    return TRAILER_RE
+# may follow one keyword: "Fixes: pin_a, pin_b", "pin_a & pin_b", "pin_a and pin pin_b".
+# Read by hand, not by a regular expression: importing re and compiling one cost every
+# commit naming a pin ~7 ms, a fifth of what the hook adds to `git commit`.
+TRAILER_KEYWORDS = ("fixes", "resolves", "closes")
+_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
 
 
 def trailer_ids(message):
     """Pin ids a commit message names after Fixes/Resolves/Closes, in order of first
     appearance, lower-cased (an id is never upper case)."""
-    if "pin_" not in message.lower():
-        return []  # most commits: no regular expression, and no re to import
-    import re
+    text = message.lower()
+    if "pin_" not in text:
+        return []
+    starts = []
+    for keyword in TRAILER_KEYWORDS:
+        at = text.find(keyword)
+        while at >= 0:
+            starts.append((at, keyword))
+            at = text.find(keyword, at + 1)
     found = []
-    for match in trailer_pattern().finditer(message):
-        for pin_id in re.findall(r"pin_[a-z0-9]{10}", match.group(1), re.IGNORECASE):
-            pin_id = pin_id.lower()
+    for at, keyword in sorted(starts):
+        for pin_id in _ids_after(text, at, keyword):
             if pin_id not in found:
                 found.append(pin_id)
     return found
+
+
+def _word(text, at):
+    """Whether text[at] is a word character (a letter, a digit or _); the ends are not."""
+    return 0 <= at < len(text) and (text[at].isalnum() or text[at] == "_")
+
+
+def _blanks_end(text, at):
+    while at < len(text) and text[at] in " \t":
+        at += 1
+    return at
+
+
+def _ids_after(text, at, keyword):
+    """The ids a keyword at `at` names: it must start its line or follow punctuation
+    (blanks between allowed) and end its word; then an optional colon, and ids joined by
+    blanks, `,`, `&` or `and`."""
+    before = at
+    while before > 0 and text[before - 1] in " \t":
+        before -= 1
+    if before > 0 and text[before - 1] != "\n" and (text[before - 1].isspace() or _word(text, before - 1)):
+        return []
+    end = at + len(keyword)
+    if _word(text, end):
+        return []
+    end = _blanks_end(text, end + (text.startswith(":", end)))
+    ids, ref = [], _pin_ref(text, end)
+    while ref:
+        ids.append(ref[0])
+        end = _blanks_end(text, ref[1])
+        for joint in (",", "&", "and"):
+            if text.startswith(joint, end) and not (joint == "and" and _word(text, end + 3)):
+                end = _blanks_end(text, end + len(joint))
+                break
+        ref = _pin_ref(text, end)
+    return ids
+
+
+def _pin_ref(text, at, spelled_out=True):
+    """(id, where it ends) of `pin_<10 letters or digits>` at `at`, or of `pin pin_…`."""
+    if spelled_out and text.startswith("pin", at) and text[at + 3:at + 4] in (" ", "\t"):
+        ref = _pin_ref(text, _blanks_end(text, at + 3), False)
+        if ref:
+            return ref
+    pin_id = text[at:at + 14]
+    if pin_id.startswith("pin_") and len(pin_id) == 14 and _ID_CHARS.issuperset(pin_id[4:]) and \
+            not _word(text, at + 14):
+        return pin_id, at + 14
+    return None
 
 
 def read_commit(cwd, sha=None):
@@ -5596,6 +5660,8 @@ class ProxyHandler(ReadsWithDeadline):
         app's addresses with secret-named query values hidden."""
         proxy, app = self.proxy_origin(), self.server.upstream_origin
         referer = self.headers.get("Referer") or ""
+        if self.path.split("?")[0] == "/favicon.ico":
+            return  # the browser asks for the tab's icon by itself: an app without one has no fault to show
         if referer == proxy or referer.startswith(proxy + "/"):
             self.server.hub.note_failure(hide_secrets(app + referer[len(proxy):]), {
                 "method": self.command[:20], "url": hide_secrets(app + self.path)[:2000], "status": status,
@@ -7779,8 +7845,14 @@ class Output:
 
 
 def write_out(text):
-    sys.stdout.write(text)
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped reading (`pinbox list | head -1`): that is its choice, not a
+        # failure. The rest of the output goes nowhere, the verb ends with its own exit
+        # status, and the interpreter's last flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def pad_columns(rows):
@@ -8054,6 +8126,18 @@ def cmd_init(ctx):
     return 1 if any(plan.outcome == "failed" for plan in plans) else 0
 
 
+def app_answers(upstream):
+    """Whether anything takes a connection at the app's address now, as the page proxy
+    will connect to it (a dev server not started yet, or on another port, does not)."""
+    import socket
+    _, host, port = parse_upstream(upstream)
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+    except OSError:
+        return False
+    return True
+
+
 def open_browser(url, state):
     """Opens `url` in the person's browser when there is a screen to show it on: with none,
     Python's webbrowser would start a text browser in this terminal. An address that
@@ -8080,11 +8164,12 @@ def cmd_open(ctx):
     new_here = not os.path.isdir(store_dir(ctx.root)) and git_dir(ctx.root) is None
     ctx.store  # the project's store (a pin needs one): made here, as `pin` makes it
     hub = hub_for(ctx.root)
-    upstream = None
+    upstream = answering = None
     if args.url:
         proxy = call_hub(hub, "POST", "/proxies", {"upstream": args.url})
         url, upstream = proxy["url"], proxy["upstream"]  # `:5173` named as the app's own URL
         facts = "%s with the pinbox toolbar: %s" % (upstream, url)
+        answering = app_answers(upstream)
     elif shows_secrets(ctx):
         url = "http://127.0.0.1:%d/demo#token=%s" % (hub["port"], hub["token"])
         facts = "the pinbox demo page: %s" % url
@@ -8096,13 +8181,15 @@ def cmd_open(ctx):
     if overview and args.url:  # (the token only to a terminal or --json, never into a pipe's log)
         facts += "\nevery pin, session and delivery: %s" % overview
     notes = []
+    if answering is False:  # the proxy is open all the same: its page waits for the app
+        notes.append("nothing answers at %s yet: start your app there, and the page loads by itself" % upstream)
     if new_here:
         notes.append("pinbox: %s is in no git repository, so a new pinbox project starts here; its agents "
                      "get pins from it. Run `pinbox open` in your app's repository instead?" % ctx.root)
     if not (opened or args.no_browser):
         notes.append("open it in your browser (no graphical browser was found here)")
     ctx.out.result({"url": url, "upstream": upstream, "project": ctx.root, "hub": "http://127.0.0.1:%d" % hub["port"],
-                    "overview": overview, "browser": opened}, facts, "\n".join(notes) or None)
+                    "overview": overview, "browser": opened, "answering": answering}, facts, "\n".join(notes) or None)
 
 
 def toolbar_ways(port, token):
@@ -8332,8 +8419,12 @@ def cmd_verify(ctx):
     outcome = check_choice(ctx.args.outcome, "--outcome", ("accepted", "reopened"), "verify")
     if outcome is None:
         raise invalid("--outcome is required: accepted or reopened", usage_hint("verify"))
+    before = iso_time()
     pin = verify_pin(ctx.store, ctx.args.id, outcome, ctx.args.note)
-    ctx.out.result(pin, "%s %s" % (pin["id"], "verified" if outcome == "accepted" else "reopened"),
+    # A verdict older than this command is the one that stood: verify_pin changed nothing.
+    again = pin["verification"]["at"] < before
+    ctx.out.result(pin, "%s %s" % (pin["id"], outcome),
+                   "already %s: nothing changed" % outcome if again else
                    "by human%s" % (" — " + ctx.args.note if ctx.args.note else ""))
 
 
@@ -8772,11 +8863,15 @@ def wired_agents(root):
             if any(wired(plan) for plan in installer(root, uninstall=True))]
 
 
+class ProbeWarning(Exception):
+    """What doctor says without failing: a choice the person may have made on purpose."""
+
+
 def probe_agents(ctx):
     """Whether each wired agent will really run pinbox: `init` would change nothing."""
     wired = wired_agents(ctx.root)
-    if not wired:  # pins would wait for ever: a problem, with its fix
-        raise RuntimeError("no agent wired here, so no agent will get the pins — fix: `pinbox init --agent claude` "
+    if not wired:  # pins wait, unless the person wired an agent themselves (`claude mcp add`): said, not failed
+        raise ProbeWarning("no agent wired here, so no agent will get the pins — fix: `pinbox init --agent claude` "
                            "(or codex, hermes, gemini, cursor, vscode, …)")
     problems = []
     if not pinbox_on_path(ctx.root) and any(agent in ("codex", "gemini") for agent in wired):
@@ -8852,11 +8947,16 @@ def cmd_doctor(ctx):
     for name, probe in DOCTOR_PROBES:
         try:
             checks.append({"name": name, "ok": True, "detail": probe(ctx)})
+        except ProbeWarning as exc:  # ok (exit 0), and said as a warning
+            checks.append({"name": name, "ok": True, "warning": True, "detail": str(exc)})
         except Exception as exc:  # noqa: BLE001 — a failing probe is a finding, not a crash
             checks.append({"name": name, "ok": False, "detail": str(exc) or type(exc).__name__})
     failing = [c for c in checks if not c["ok"]]
-    facts = "\n".join("%s  %s  %s" % ("ok" if c["ok"] else "no", c["name"].ljust(11), c["detail"]) for c in checks)
-    note = "%d checks, %s" % (len(checks), "%d failing" % len(failing) if failing else "all ok")
+    warned = [c for c in checks if c.get("warning")]
+    facts = "\n".join("%s  %s  %s" % ("no" if not c["ok"] else "warn" if c.get("warning") else "ok",
+                                      c["name"].ljust(11), c["detail"]) for c in checks)
+    note = "%d checks, %s%s" % (len(checks), "%d failing" % len(failing) if failing else "all ok",
+                                ", %d warning%s" % (len(warned), "s" * (len(warned) > 1)) if warned else "")
     ctx.out.result({"checks": checks}, facts, note)
     return 1 if failing else 0
 
@@ -11817,7 +11917,7 @@ function render() {
 
 DEMO_HTML = r"""<!doctype html>
 <meta charset="utf-8"><meta name="viewport" content="width=device-width">
-<title>pinbox demo shop</title>
+<link rel="icon" href="data:,"><title>pinbox demo shop</title>
 <style>
 body{font:16px/1.5 system-ui,sans-serif;margin:0;color:#1f2430;background:#f6f7f9}
 header{background:#283046;color:#fff;padding:14px 32px;display:flex;justify-content:space-between;align-items:center}
