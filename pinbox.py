@@ -907,19 +907,31 @@ def unclaim_deliveries(conn, session_id):
 
 
 
-def pending_pulls(conn, session_id, limit=-1):
-    """The session's pending rows, oldest first (at most `limit`; -1: all): a session
-    that pulls is reachable, whatever adapter a row was waiting for. Only a push in
-    flight (its lease held) is left to finish, so nothing is delivered twice."""
+# is_quiet in SQL, for the Stop hook: it must skip quiet rows before its cap, not after
+# (a hundred notes ahead of a task once kept the task from every Stop).
+_LOUD = ("NOT ((e.type = 'pin.created' AND json_extract(e.payload, '$.intent') IS 'note') OR "
+         "(e.type = 'pin.verified' AND json_extract(e.payload, '$.verification.outcome') IS 'accepted'))")
+
+
+def pending_pulls(conn, session_id, limit=-1, loud=False):
+    """The session's pending rows, oldest first (at most `limit`; -1: all; with `loud`,
+    none that is_quiet): a session that pulls is reachable, whatever adapter a row was
+    waiting for. Only a push in flight (its lease held) is left to finish, so nothing is
+    delivered twice."""
     return conn.execute(
         "SELECT d.id, e.seq, e.type, e.payload FROM deliveries d JOIN events e ON e.seq = d.event_seq "
-        "WHERE d.session_id = ? AND d.status = 'pending' "
-        "AND (d.lease_until IS NULL OR d.lease_until < ? OR d.updated_at > ?) ORDER BY d.id LIMIT ?",
+        "WHERE d.session_id = ? AND d.status = 'pending' %s"
+        "AND (d.lease_until IS NULL OR d.lease_until < ? OR d.updated_at > ?) ORDER BY d.id LIMIT ?"
+        % ("AND %s " % _LOUD if loud else ""),
         (session_id, iso_time(), clock_stepped_back(time.time()), limit)).fetchall()
 
 
-def waiting_rows(conn, session_id):
-    """How many rows still wait for the session (read off the index alone)."""
+def waiting_rows(conn, session_id, loud=False):
+    """How many rows still wait for the session (read off the index alone, but for
+    `loud`: only those that are not quiet)."""
+    if loud:
+        return conn.execute("SELECT COUNT(*) FROM deliveries d JOIN events e ON e.seq = d.event_seq "
+                            "WHERE d.session_id = ? AND d.status = 'pending' AND " + _LOUD, (session_id,)).fetchone()[0]
     return conn.execute("SELECT COUNT(*) FROM deliveries WHERE session_id = ? AND status = 'pending'",
                         (session_id,)).fetchone()[0]
 
@@ -2015,10 +2027,10 @@ def collect_mid_turn(store, agent, key):
             return Arrivals(conn, [])
         conn.execute("UPDATE sessions SET last_seen_at = ? WHERE id = ?", (seen_now(conn), session["id"]))
         # Notes and accepted fixes never hold the agent: they wait for its next prompt.
-        rows = [r for r in pending_pulls(conn, session["id"], HOOK_CAP) if not is_quiet(r[2], json_loads(r[3]))]
+        rows = pending_pulls(conn, session["id"], HOOK_CAP, loud=True)
         arrivals = Arrivals(conn, rows).only_open()
         mark_delivered(conn, [r[0] for r in rows])
-        arrivals.waiting = waiting_rows(conn, session["id"]) if len(rows) == HOOK_CAP else 0
+        arrivals.waiting = waiting_rows(conn, session["id"], loud=True) if len(rows) == HOOK_CAP else 0
     return arrivals
 
 

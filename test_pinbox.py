@@ -112,9 +112,20 @@ def eventually(check, timeout=10, what="the condition"):
         time.sleep(0.05)
 
 
-def serve_in_thread(test, handler):
+def text_app(body):
+    """A handler answering every GET with `body` as text/plain, quietly."""
+    class App(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            send_plain(self, 200, body, [("Content-Type", "text/plain")])
+
+        def log_message(self, *args):
+            pass
+    return App
+
+
+def serve_in_thread(test, handler, port=0):
     """A ThreadingHTTPServer on 127.0.0.1 in this process, stopped after the test."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     test.addCleanup(server.server_close)
     test.addCleanup(server.shutdown)
@@ -2221,6 +2232,34 @@ class TestNotesVerdictsNudges(HookCase):
         self.assertEqual(self.ok("summary")["open"], 1)
         self.assertEqual({p["id"] for p in self.ok("list", "--kind", "note")}, {note["id"], mid["id"]})
         self.assertIn("expected task or note", self.fails("E_INVALID_INPUT", 2, "list", "--kind", "chore")["message"])
+
+    def test_the_stop_hook_passes_over_notes_before_its_cap_and_counts_what_waits_honestly(self):
+        """Stop took HOOK_CAP rows and only then dropped the quiet ones: with 50 notes
+        ahead of 60 tasks it held the agent for 50 tasks and said none waited; behind 100
+        notes no task ever reached a Stop."""
+        cap = pinbox.HOOK_CAP
+        sid = self.register("k1")
+        self.inject("k1")
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        self.addCleanup(store.close)
+        made = lambda n, intent: [pinbox.create_pin(store, {"text": "%s %d" % (intent, i), "intent": intent})["id"]
+                                  for i in range(n)]
+        ledger = lambda: dict(self.sql(
+            "SELECT COALESCE(json_extract(e.payload, '$.intent'), 'task') || ' ' || d.status, COUNT(*) "
+            "FROM deliveries d JOIN events e ON e.seq = d.event_seq WHERE d.session_id = ? AND e.type = 'pin.created' GROUP BY 1", sid))
+        made(cap // 2, "note")
+        made(cap // 2 + 10, "task")
+        reason = self.stop("k1")
+        self.assertEqual(ledger(), {"note pending": cap // 2, "task delivered": cap // 2 + 10})
+        self.assertNotIn("more update(s) wait", reason)
+        made(cap, "note")
+        tasks = made(cap + 5, "task")
+        reason = self.stop("k1")
+        self.assertIn(tasks[0], reason)
+        self.assertIn("(5 more update(s) wait for this session", reason)  # the five tasks, not the notes
+        self.assertEqual(ledger()["task pending"], 5)
+        self.assertIn(tasks[-1], self.stop("k1"))
+        self.assertEqual(ledger(), {"note pending": cap // 2 + cap, "task delivered": cap // 2 + cap + 15})
 
     def test_a_note_or_an_accepted_fix_never_wakes_an_ended_session(self):
         bin_dir = os.path.join(self.tmp, "bin")  # a `claude` to resume with: an ended session could be woken
@@ -7707,17 +7746,7 @@ class TestPageProxy(HubCase):
         self.assertEqual((status, headers["content-type"]), (502, "text/html; charset=utf-8"))
         self.assertIn(b'http-equiv="refresh"', body)
 
-        class Up(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                send_plain(self, 200, b"up again", [("Content-Type", "text/plain")])
-
-            def log_message(self, *args):
-                pass
-
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", down), Up)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        self.addCleanup(server.server_close)
-        self.addCleanup(server.shutdown)
+        serve_in_thread(self, text_app(b"up again"), down)
         self.assertEqual(self.fetch("GET", "/", port=port)[2], b"up again")
         err = self.proc_stderr_so_far()
         self.assertNotIn(b"Traceback", err)
@@ -7820,16 +7849,7 @@ class TestPageProxy(HubCase):
         status, _, body = self.fetch("GET", "/", headers={"Accept": "text/html"})
         self.assertEqual(status, 502)
         self.assertIn(b"is not answering", body)
-        class Up(http.server.BaseHTTPRequestHandler):  # the dev server starts, on the address given
-            def do_GET(self):
-                send_plain(self, 200, b"up", [("Content-Type", "text/plain")])
-
-            def log_message(self, *args):
-                pass
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Up)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        self.addCleanup(server.server_close)
-        self.addCleanup(server.shutdown)
+        serve_in_thread(self, text_app(b"up"), port)  # the dev server starts, on the address given
         self.assertEqual(self.fetch("GET", "/")[::2], (200, b"up"))
         r = self.human("open", "http://127.0.0.1:%d" % port, "--no-browser")
         self.assertEqual((r.code, r.err), (0, ""))

@@ -96,9 +96,9 @@ def bench_commit(runs, workdir):
         dict(name="floor: python3 -I -S -c pass", **floor),
         dict(name="git commit, no hook", **summarize(results["plain"])),
         dict(name="git commit + pinbox hook (no trailer)", **summarize(results["hooked"])),
-        dict(name="  added by the hook (paired)", **summarize(added), target_ms=40),
+        dict(name="  added by the hook (paired)", **summarize(added), target_ms=35),
         dict(name="git commit + pinbox hook (Fixes: pin_…)", **summarize(results["hooked_fixes"])),
-        dict(name="  added by the hook (paired)", **summarize(added_fixes), target_ms=40),
+        dict(name="  added by the hook (paired)", **summarize(added_fixes), target_ms=35),
         dict(name="git commit + hook (Fixes:), store locked by a writer", **summarize(results["hooked_locked"])),
         dict(name="  added by the hook (paired)", target_ms=int(pinbox.HOOK_TIMEOUT_S * 1000) + 100, **summarize(
             [h - p for h, p in zip(results["hooked_locked"], results["plain_locked"])])),
