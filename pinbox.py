@@ -8902,6 +8902,24 @@ def probe_agents(ctx):
     return "%s: wired, trusted and pointing at %s" % (", ".join(wired), self_path())
 
 
+def probe_git_hook(ctx):
+    """Whether a commit here runs pinbox's post-commit hook: git never clones hooks, so
+    a teammate's fresh clone has none until `pinbox init`."""
+    path = git_hooks_path(ctx.root)
+    if path is None:
+        return "no git repository here: no commit to resolve pins"
+    outcome, _, note = git_hook_change(path, False)
+    if outcome == "unchanged" and os.access(path, os.X_OK):
+        return "%s resolves the pins a commit names (Fixes/Resolves/Closes)" % path
+    if outcome == "kept":
+        raise RuntimeError(note)
+    why = {"installed": "there is no post-commit hook at %s (git never clones hooks)",
+           "added": "%s is another tool's hook, without pinbox's lines",
+           "updated": "%s runs another copy of pinbox (this one moved?)"}.get(outcome, "%s is not executable")
+    fix = "`chmod +x %s`" % path if outcome == "unchanged" else "`pinbox init`"
+    raise RuntimeError("%s, so a commit saying `Fixes: pin_…` resolves nothing here — fix: %s" % (why % path, fix))
+
+
 def probe_hook_speed(ctx):
     """The agents' hook command itself, run once (read-only: `session pending` without
     --hook changes nothing)."""
@@ -8949,7 +8967,8 @@ def probe_sync(ctx):
 
 # What `pinbox doctor` checks, in order: a probe returns what it found, or raises what is wrong.
 DOCTOR_PROBES = (("sqlite", probe_sqlite), ("fts5", probe_fts), ("state-dir", probe_state_dir),
-                 ("db-writable", probe_db), ("agents", probe_agents), ("hook-speed", probe_hook_speed),
+                 ("db-writable", probe_db), ("agents", probe_agents), ("git-hook", probe_git_hook),
+                 ("hook-speed", probe_hook_speed),
                  ("hub", probe_hub), ("sessions", probe_sessions), ("deliveries", probe_deliveries),
                  ("sync", probe_sync))
 

@@ -1317,7 +1317,7 @@ class TestStore(PinboxCase):
     def test_search_works_without_fts5(self):
         """A SQLite built without FTS5 (simulated: every fts5 statement is refused)."""
         wrapper = (
-            "import sqlite3, sys\n"
+            "import _sqlite3 as sqlite3, sys\n"  # the module pinbox connects through
             "class NoFts(sqlite3.Connection):\n"
             "    def execute(self, sql, *a):\n"
             "        if 'fts5' in sql or 'MATCH' in sql:\n"
@@ -1334,6 +1334,7 @@ class TestStore(PinboxCase):
             self.assertEqual(done.returncode, 0, done.stderr)  # (doctor too: no agent wired is a warning)
             return json.loads(done.stdout)["data"]
 
+        run("init")  # (the store made through the wrapper: no fts5 table)
         a = run("pin", "The Avatar image is blurry")
         b = run("pin", "Footer overlaps")
         run("reply", b["id"], "also the zebra icon")
@@ -9732,6 +9733,32 @@ class TestInitGitHook(PinboxCase):
     def hook_path(self):
         return os.path.join(self.repo, ".git", "hooks", "post-commit")
 
+    def test_doctor_fails_a_clone_without_the_hook_and_names_the_fix(self):
+        """git never clones hooks: a teammate's fresh clone resolves nothing by its
+        commits until `pinbox init`, and doctor says so (it said "all ok")."""
+        self.ok("init")
+        git_commit(self.repo)
+        clone = os.path.join(self.tmp, "teammate")
+        git(self.tmp, "clone", "-q", self.repo, clone)
+        hook = lambda: [c for c in self.run_pinbox("doctor", cwd=clone).json["data"]["checks"] if c["name"] == "git-hook"][0]
+        hook_path = os.path.join(clone, ".git", "hooks", "post-commit")
+        found = hook()
+        self.assertFalse(found["ok"])
+        self.assertEqual(found["detail"], "there is no post-commit hook at %s (git never clones hooks), so a commit "
+                                          "saying `Fixes: pin_…` resolves nothing here — fix: `pinbox init`" % hook_path)
+        self.ok("init", cwd=clone)
+        self.assertEqual(hook(), {"name": "git-hook", "ok": True, "detail": "%s resolves the pins a commit names "
+                                                                           "(Fixes/Resolves/Closes)" % hook_path})
+        os.chmod(hook_path, 0o644)  # git skips a hook it cannot run
+        self.assertIn("is not executable, so a commit saying `Fixes: pin_…` resolves nothing here — fix: `chmod +x %s`"
+                      % hook_path, hook()["detail"])
+        with open(hook_path, "w") as handle:  # another tool took the hook over
+            handle.write("#!/bin/sh\nexec lint-staged\n")
+        os.chmod(hook_path, 0o755)
+        self.assertIn("is another tool's hook, without pinbox's lines", hook()["detail"])
+        self.ok("init", cwd=clone)
+        self.assertTrue(hook()["ok"])
+
     def test_a_gitignore_that_is_a_symlink_is_left_alone(self):
         outside = os.path.join(self.tmp, "someone-elses-ignore")
         with open(outside, "w") as handle:
@@ -10680,7 +10707,7 @@ class TestCommandLine(PinboxCase):
         human = self.human("doctor")
         self.assertEqual(human.code, 0, human)
         self.assertIn("\nwarn  agents       no agent wired here", human.out)
-        self.assertEqual(human.err, "10 checks, all ok, 1 warning\n")
+        self.assertEqual(human.err, "11 checks, all ok, 1 warning\n")
         self.ok("init", "--agent", "claude")
         settings = os.path.join(self.repo, ".claude", "settings.json")
         with open(settings, "w") as handle:
@@ -10755,7 +10782,8 @@ class TestCommandLine(PinboxCase):
         data = self.run_pinbox("doctor").json["data"]
         names = [c["name"] for c in data["checks"]]
         self.assertEqual(names[:4], ["sqlite", "fts5", "state-dir", "db-writable"])
-        self.assertTrue(all(c["ok"] for c in data["checks"]), data)
+        # A repository without `init` has no post-commit hook: the one check that fails.
+        self.assertEqual([c["name"] for c in data["checks"] if not c["ok"]], ["git-hook"], data)
         agents = [c for c in data["checks"] if c["name"] == "agents"][0]  # pins would wait: said, not failed
         self.assertEqual((agents["warning"], agents["detail"]), (True, "no agent wired here, so no agent will get the "
                                                                        "pins — fix: `pinbox init --agent claude` (or "
