@@ -969,6 +969,20 @@ def park_delivery(conn, row_id, adapter):
                  (adapter, iso_time(), row_id))
 
 
+def wait_for_adapter(conn, row_id, message, due_at):
+    """Only what this hub lacks keeps the row from its session (an agent's binary not
+    on its PATH): it stays due, saying why, and is looked at again at `due_at`."""
+    conn.execute("UPDATE deliveries SET adapter = 'none', last_error = ?, due_at = ?, updated_at = ? WHERE id = ?",
+                 (message, due_at, iso_time(), row_id))
+
+
+def rearm_unreachable(conn):
+    """A hub that starts may have what the last one lacked: rows no adapter reached are
+    due again now (a row parked for a session's own pull before this was kept too)."""
+    conn.execute("UPDATE deliveries SET due_at = ? WHERE status = 'pending' AND session_id IS NOT NULL "
+                 "AND adapter = 'none'", (iso_time(),))
+
+
 def lease_delivery(conn, row_id, adapter, claim, until):
     conn.execute("UPDATE deliveries SET adapter = ?, lease_owner = ?, lease_until = ?, updated_at = ? "
                  "WHERE id = ?", (adapter, claim, until, iso_time(), row_id))
@@ -1076,7 +1090,10 @@ def delivery_health(conn, overdue_before):
                            "AND due_at IS NOT NULL AND due_at < ?", (overdue_before,)).fetchone()[0]
     waiting = conn.execute("SELECT COUNT(*) FROM deliveries WHERE status = 'pending' AND session_id IS NULL"
                            ).fetchone()[0]
-    return {"failed": failed, "lastError": last_error, "overdue": overdue, "waiting": waiting}
+    unreachable, reason = conn.execute("SELECT COUNT(*), MAX(last_error) FROM deliveries WHERE status = 'pending' "
+                                       "AND adapter = 'none' AND last_error IS NOT NULL").fetchone()
+    return {"failed": failed, "lastError": last_error, "overdue": overdue, "waiting": waiting,
+            "unreachable": unreachable, "unreachableWhy": reason}
 
 
 # ============================================================================
@@ -1904,6 +1921,15 @@ def adapter_matches(adapter, session):
     return False
 
 
+def missing_binary(session):
+    """The agent's binary when its absence from this PATH is all that keeps an ended
+    session from being resumed from here, else None."""
+    binary = RESUME_BINARIES.get(session.get("agent"))
+    if binary and not is_live(session) and session.get("cwd") and _which(binary) is None:
+        return binary
+    return None
+
+
 def first_adapter(session, after=None):
     """(adapter, status, due_at) for a row bound to `session`: the first adapter that
     reaches it, starting after `after` when escalating. A pull row is due (to escalate)
@@ -2644,6 +2670,9 @@ def push_webhook(event, session, pin, delivery_id):
         raise PushFailed("webhook POST failed: %s" % getattr(exc, "reason", exc))
 
 
+UNREACHABLE_RETRY_S = 900  # how often a hub looks again for a binary it lacked
+
+
 def claim_due(store, owner, limit=32):
     """Claims due push rows (and escalates pull rows nobody collected): returns
     [(row id, adapter, event, session, pin)] now leased to `owner`."""
@@ -2667,6 +2696,11 @@ def claim_due(store, owner, limit=32):
             # An uncollected pull row, or a push that failed, moves on to the next adapter.
             after = adapter if (adapter == "hooks" or attempts) else None
             chosen, _, _ = first_adapter(session, after)
+            missing = missing_binary(session) if chosen == "none" else None
+            if missing:  # not parked for ever: a hub that has it (this one, or the next) pushes it
+                wait_for_adapter(conn, row_id, "E_DELIVERY: `%s` is not on the hub's PATH (%s)" % (
+                    missing, os.environ.get("PATH", "")), iso_time(now + UNREACHABLE_RETRY_S))
+                continue
             if chosen in ("hooks", "none"):
                 park_delivery(conn, row_id, chosen)
                 continue
@@ -2732,6 +2766,7 @@ def replay_unrouted(store):
                                            (last_routed_seq(conn),)).fetchall():
             route_event(conn, seq, kind, json_loads(raw))
         release_dead_leases(conn)
+        rearm_unreachable(conn)
 
 
 # --- The delivery worker: the hub's thread that runs due pushes --------------
@@ -8859,6 +8894,10 @@ def probe_deliveries(ctx):
     problems = ["%s (%s via %s): %s" % row for row in stuck]
     if health["overdue"]:
         problems.append("%d push(es) overdue: is the hub running? (`pinbox serve`)" % health["overdue"])
+    if health["unreachable"]:
+        problems.append("%d update(s) wait for an agent the hub cannot start (%s) — fix: `pinbox stop`, then run "
+                        "pinbox from a shell where that agent's command is on PATH" % (
+                            health["unreachable"], health["unreachableWhy"]))
     if problems:
         raise RuntimeError("; ".join(problems) + " — fix the cause (an agent or PINBOX_WEBHOOK_URL that refuses), "
                            "then the pin's next message is delivered afresh; `pinbox show <id>` lists its deliveries")
