@@ -1904,6 +1904,14 @@ def _which(name):
     return shutil.which(name)
 
 
+def resume_binary(session):
+    """The command that resumes the session, when it is one to resume: only an ended
+    session with a folder (a live one would get a second process writing into its
+    transcript)."""
+    binary = RESUME_BINARIES.get(session.get("agent"))
+    return binary if binary and not is_live(session) and session.get("cwd") else None
+
+
 def adapter_matches(adapter, session):
     """Whether an adapter can reach a session now (cheap: no side effects)."""
     agent = session.get("agent")
@@ -1912,10 +1920,8 @@ def adapter_matches(adapter, session):
     if adapter == "openclaw":
         return agent == "openclaw" and _which("openclaw") is not None
     if adapter == "resume":
-        # Only an ended session is resumed: a live one would get a second process
-        # writing into its transcript.
-        binary = RESUME_BINARIES.get(agent)
-        return not is_live(session) and bool(session.get("cwd")) and binary is not None and _which(binary) is not None
+        binary = resume_binary(session)
+        return binary is not None and _which(binary) is not None
     if adapter == "webhook":
         return bool(os.environ.get("PINBOX_WEBHOOK_URL") and os.environ.get("PINBOX_WEBHOOK_SECRET"))
     return False
@@ -1924,10 +1930,8 @@ def adapter_matches(adapter, session):
 def missing_binary(session):
     """The agent's binary when its absence from this PATH is all that keeps an ended
     session from being resumed from here, else None."""
-    binary = RESUME_BINARIES.get(session.get("agent"))
-    if binary and not is_live(session) and session.get("cwd") and _which(binary) is None:
-        return binary
-    return None
+    binary = resume_binary(session)
+    return binary if binary is not None and _which(binary) is None else None
 
 
 def first_adapter(session, after=None):
@@ -7899,7 +7903,9 @@ def write_out(text):
         # The reader stopped reading (`pinbox list | head -1`): that is its choice, not a
         # failure. The rest of the output goes nowhere, the verb ends with its own exit
         # status, and the interpreter's last flush does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def pad_columns(rows):
