@@ -35,10 +35,33 @@ import os
 import sys
 import time
 
-try:  # the C module alone: the sqlite3 package adds datetime and collections, ~4 ms a hook
-    import _sqlite3 as sqlite3
-except ImportError:  # an interpreter that builds sqlite3 another way
-    import sqlite3
+
+def _load_sqlite():
+    """The C module alone: the sqlite3 package adds datetime, ~4 ms of every hook. And
+    _sqlite3 takes functools.lru_cache as it loads (for its statement cache), which
+    brings collections, operator, types and reprlib: ~5 ms more. A process with one
+    thread (a hook, a command) lends it the C cache functools itself wraps, under the
+    name functools, taken back once it has loaded: a later `import functools` gets the
+    real one, and no other thread can see the stand-in meanwhile."""
+    lender = None
+    if "functools" not in sys.modules and "threading" not in sys.modules:
+        import _functools
+        lender = sys.modules["functools"] = type(sys)("functools")
+        lender.lru_cache = lambda maxsize=128, typed=False: (
+            lambda function: _functools._lru_cache_wrapper(function, maxsize, typed, None))
+    try:
+        try:
+            import _sqlite3
+            return _sqlite3
+        except ImportError:  # an interpreter that builds sqlite3 another way
+            import sqlite3
+            return sqlite3
+    finally:
+        if lender is not None and sys.modules.get("functools") is lender:
+            del sys.modules["functools"]
+
+
+sqlite3 = _load_sqlite()
 
 VERSION = "0.2.0"
 

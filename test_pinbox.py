@@ -10940,7 +10940,8 @@ class TestTheFileAsACommand(PinboxCase):
     def test_hooks_import_only_what_their_answer_needs(self):
         """Every prompt and every commit waits for a hook: the prompt, Stop and commit
         hooks (the last naming a pin) do their work without the modules a command needs
-        (argparse, json's Python half, re, subprocess, the sqlite3 package's datetime)."""
+        (argparse, json's Python half, re, subprocess, the sqlite3 package's datetime), and
+        without the functools (and collections) _sqlite3 asks for as it loads."""
         self.ok("init")
         git_commit(self.repo)
         pin = self.pin("the total is cut off")
@@ -10950,7 +10951,8 @@ class TestTheFileAsACommand(PinboxCase):
         runs = {"prompt": (["session", "inject", "--hook", "--agent", "claude"], "UserPromptSubmit"),
                 "stop": (["session", "pending", "--hook", "--agent", "claude"], "Stop"),
                 "commit": (["session", "trailer", "--hook"], None)}
-        heavy = {"argparse", "json", "re", "subprocess", "sqlite3", "datetime", "threading", "calendar", "shutil"}
+        heavy = {"argparse", "json", "re", "subprocess", "sqlite3", "datetime", "threading", "calendar", "shutil",
+                 "functools", "collections"}
         for name, (args, event) in runs.items():
             done = subprocess.run([sys.executable, "-X", "importtime", "-I", "-S", "-c", BOOT] + args, cwd=self.repo, env=self.env,
                                   input=payload("k1", event, self.repo).encode() if event else b"",
@@ -10962,6 +10964,21 @@ class TestTheFileAsACommand(PinboxCase):
             if name == "prompt":
                 self.assertIn("the total is cut off", done.stdout.decode())
         self.assertEqual(self.ok("show", pin["id"])["pin"]["status"], "resolved")
+
+    def test_sqlite_loads_without_functools_and_functools_stays_whole(self):
+        """The stand-in functools lent to _sqlite3 is gone once pinbox is imported: a
+        later import gets the real module, and statements still cache (more of them
+        than the cache holds, each run twice)."""
+        check = ("import sys; sys.path.insert(0, %r); import pinbox\n"
+                 "assert 'functools' not in sys.modules and 'collections' not in sys.modules\n"
+                 "import functools; assert functools.reduce(lambda a, b: a + b, [1, 2, 3]) == 6\n"
+                 "conn = pinbox.sqlite3.connect(':memory:')\n"
+                 "rows = [conn.execute('SELECT %%d + ?' %% (i %% 200), (1,)).fetchone()[0] for i in range(400)]\n"
+                 "assert rows == [i %% 200 + 1 for i in range(400)]\n"
+                 "print('ok')" % HERE)
+        done = subprocess.run([sys.executable, "-I", "-S", "-c", check], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, timeout=60)
+        self.assertEqual((done.stdout, done.stderr), (b"ok\n", b""))
 
     def run_as(self, argv, cwd=None, **env):
         return subprocess.run(argv, cwd=cwd or self.repo, env=dict(self.env, **env), stdin=subprocess.DEVNULL,
