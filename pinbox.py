@@ -3966,6 +3966,66 @@ def moved_elsewhere(conn, pin, before):
     insert_delivery(conn, seq, pin["id"], session["id"], "hooks", "pending")
 
 
+# --- Fixes made elsewhere: the commits a sync reads ------------------------------
+# The post-commit hook hears commits made here, as they are made. It never hears a
+# teammate's clone without the hook, a fix merged or squashed on the forge, a rebase:
+# so a sync (and the hub, now and then) also reads the commits new since it last looked
+# on the current branch and the remote's default branch, and resolves what they name.
+COMMITS_READ_MAX = 1000  # the most one look reads (a first look in a long history)
+COMMITS_SEEN_KEPT = 8  # tips remembered: a branch switched back and forth reads nothing again
+
+
+def default_branch(root, remote):
+    """The remote's default branch as this clone knows it: <remote>/HEAD, else main,
+    else master (a clone of an empty repository, or `remote add`, has no HEAD)."""
+    named = (git_output(["symbolic-ref", "-q", "refs/remotes/%s/HEAD" % remote], root) or "").strip()
+    for ref in ([named] if named else []) + ["refs/remotes/%s/main" % remote, "refs/remotes/%s/master" % remote]:
+        sha = ref_head(root, ref)
+        if sha:
+            return sha
+    return None
+
+
+def read_new_commits(root, store, remote=None):
+    """Resolves the open pins that commits new since the last look name (Fixes:,
+    Resolves:, Closes:), oldest commit first, each with its sha; a merge's side
+    commits and a squash's quoted messages are read too. Returns [(pin id, sha)]."""
+    tips = [sha for sha in (ref_head(root, "HEAD"), remote and default_branch(root, remote)) if sha]
+    with store.guard():
+        seen = (sync_setting(store.conn, "commitsSeen") or "").split() if store.exists else []
+        oldest = store.conn.execute("SELECT MIN(created_at) FROM pins WHERE status = 'open'").fetchone()[0] \
+            if store.exists else None
+    if not tips or set(tips) <= set(seen):
+        return []
+    resolved = []
+    if oldest:  # (with nothing open, there is nothing to read for)
+        since = iso_time(parse_iso(oldest) - 86400)  # a day for clocks that disagree
+        log = git_text(root, ["log", "-z", "--reverse", "--ignore-missing", "-n", str(COMMITS_READ_MAX),
+                              "--since=" + since, "--format=%H%x1f%at%x1f%B"] + tips + ["--not"] + seen + ["--"])
+        for entry in filter(None, log.split("\0")):
+            sha, _, rest = entry.partition("\x1f")
+            written, _, message = rest.partition("\x1f")
+            for pin_id in trailer_ids(message):
+                if commit_may_resolve(store, pin_id, int(written or 0)) and \
+                        resolve_from_commit(store, [pin_id], sha, "human")[0]:
+                    resolved.append((pin_id, sha))
+    with store.write() as conn:
+        set_sync_settings(conn, commitsSeen=" ".join(list(dict.fromkeys(tips + seen))[:COMMITS_SEEN_KEPT]))
+    return resolved
+
+
+def commit_may_resolve(store, pin_id, written):
+    """Whether a commit may resolve a pin: it is open, and was not reopened after the
+    commit was written — a rejected fix stays rejected when a rebase, a cherry-pick or
+    another branch brings a copy of it (a copy keeps its author time)."""
+    with store.guard():
+        pin = find_pin(store.conn, pin_id)
+    if pin is None or pin.get("status") != "open":
+        return False
+    reopened = parse_iso((pin.get("verification") or {}).get("at") or "")
+    return not (reopened and written < reopened)
+
+
 def sync_lock(root, wait):
     """The project's sync lock (one sync at a time), or None when `wait` is False and
     another holds it."""
@@ -4028,6 +4088,10 @@ def sync_now(root, remote=None, explicit=False, children=None, wait=True):
                 rejects += import_media(root, store, batches, ref)
                 counts = apply_imported(store, [(ref, head)], batches, device, rejects)
                 imported, set_aside = imported + counts[0], set_aside + counts[1]
+            resolved = read_new_commits(root, store, remote)
+            if resolved:  # (they leave in this push)
+                with store.write() as conn:
+                    stage_local_events(conn, device)
             commit, written = commit_batch(root, store, device, host, children)
             pushed = False
             if commit and commit != ref_head(root, "%s%s/%s" % (SYNC_FETCHED_REFS, remote, device)):
@@ -4047,7 +4111,8 @@ def sync_now(root, remote=None, explicit=False, children=None, wait=True):
             set_sync_settings(conn, lastSyncAt=iso_time(), lastError="", syncedSeq=last_seq(conn),
                               pushedClock=clock if commit else sync_setting(conn, "pushedClock", "0"))
         return {"remote": remote, "device": device, "staged": staged, "imported": imported,
-                "setAside": set_aside, "written": written, "pushed": pushed}
+                "setAside": set_aside, "written": written, "pushed": pushed,
+                "resolvedByCommits": [{"pin": pin_id, "commit": sha} for pin_id, sha in resolved]}
     finally:
         store.close()
         lock.close()
@@ -4094,6 +4159,18 @@ def turn_sync_off(store):
     return sync_status(store)
 
 
+def read_commits_quietly(hub, stop):
+    """The hub's look at new commits while sync is off (a sync does it when on)."""
+    try:
+        with hub.store() as store:
+            found = read_new_commits(hub.root, store, sync_setting(store.conn, "remote") or "origin")
+        if found:
+            hub.changed()
+    except Exception as exc:  # noqa: BLE001 — git missing or slow must never stop the hub
+        if not stop.is_set():
+            write_err("pinbox: reading new commits: %s\n" % getattr(exc, "message", exc))
+
+
 def sync_worker(hub, stop):
     """The hub's background sync, once the person has chosen it: soon after a local
     change, every PINBOX_SYNC_INTERVAL_MS otherwise, backing off while the remote
@@ -4110,6 +4187,9 @@ def sync_worker(hub, stop):
             continue
         now = time.monotonic()
         if not enabled:
+            if now >= next_at:  # nothing syncs, yet fixes pulled or made without the hook resolve
+                next_at = now + interval
+                read_commits_quietly(hub, stop)
             continue
         if fresh and changed_at is None:
             changed_at = now
@@ -7243,6 +7323,26 @@ def git_hook_change(path, uninstall):
     return "added", block + text, None
 
 
+def git_hook_problem(root):
+    """Why a commit here would not run pinbox's post-commit hook, with the one command
+    that fixes it; None when it does or there is no repository. (git never clones
+    hooks: a teammate's fresh clone has none until `pinbox init`.)"""
+    path = git_hooks_path(root)
+    if path is None:
+        return None
+    outcome, _, note = git_hook_change(path, False)
+    if outcome == "unchanged" and os.access(path, os.X_OK):
+        return None
+    if outcome == "kept":
+        return note
+    why = {"installed": "there is no post-commit hook at %s (git never clones hooks)",
+           "added": "%s is another tool's hook, without pinbox's lines",
+           "updated": "%s runs another copy of pinbox (this one moved?)"}.get(outcome, "%s is not executable")
+    fix = "`chmod +x %s`" % path if outcome == "unchanged" else "`pinbox init`"
+    return "%s, so a commit saying `Fixes: pin_…` resolves nothing here until a sync reads it — fix: %s" % (
+        why % path, fix)
+
+
 def init_step(plan, key, detail=None):
     """A Plan of init's own (the store, .gitignore, the git hook), reported as a field."""
     plan.key, plan.detail = key, detail
@@ -8561,10 +8661,17 @@ def cmd_sync(ctx):
     report = sync_now(ctx.root, args.remote, explicit=True)
     ctx.close()
     data = dict(report, status=sync_status(ctx.reader))
-    ctx.out.result(data, sync_facts(data["status"]),
-                   "synced with %s: %d event(s) in, %d out%s" % (report["remote"], report["imported"],
-                                                                 report["written"],
-                                                                 "" if report["pushed"] else " (nothing to push)"))
+    note = "synced with %s: %d event(s) in, %d out%s" % (report["remote"], report["imported"], report["written"],
+                                                        "" if report["pushed"] else " (nothing to push)")
+    for fix in report["resolvedByCommits"]:
+        note += "\nresolved %s: commit %s names it" % (fix["pin"], fix["commit"][:7])
+    problem = git_hook_problem(ctx.root)
+    with ctx.store.write() as conn:  # said the first time, not at every sync
+        if problem and sync_setting(conn, "hookNoted") != "1":
+            data["hook"] = problem
+            note += "\n" + problem
+        set_sync_settings(conn, hookNoted=1 if problem else 0)
+    ctx.out.result(data, sync_facts(data["status"]), note)
 
 
 def sync_facts(status):
@@ -8971,21 +9078,14 @@ def probe_agents(ctx):
 
 
 def probe_git_hook(ctx):
-    """Whether a commit here runs pinbox's post-commit hook: git never clones hooks, so
-    a teammate's fresh clone has none until `pinbox init`."""
+    """Whether a commit here runs pinbox's post-commit hook."""
     path = git_hooks_path(ctx.root)
     if path is None:
         return "no git repository here: no commit to resolve pins"
-    outcome, _, note = git_hook_change(path, False)
-    if outcome == "unchanged" and os.access(path, os.X_OK):
-        return "%s resolves the pins a commit names (Fixes/Resolves/Closes)" % path
-    if outcome == "kept":
-        raise RuntimeError(note)
-    why = {"installed": "there is no post-commit hook at %s (git never clones hooks)",
-           "added": "%s is another tool's hook, without pinbox's lines",
-           "updated": "%s runs another copy of pinbox (this one moved?)"}.get(outcome, "%s is not executable")
-    fix = "`chmod +x %s`" % path if outcome == "unchanged" else "`pinbox init`"
-    raise RuntimeError("%s, so a commit saying `Fixes: pin_…` resolves nothing here — fix: %s" % (why % path, fix))
+    problem = git_hook_problem(ctx.root)
+    if problem:
+        raise RuntimeError(problem)
+    return "%s resolves the pins a commit names (Fixes/Resolves/Closes)" % path
 
 
 def probe_hook_speed(ctx):

@@ -4950,6 +4950,100 @@ class TestSync(SyncCase):
         self.assertNotIn(b"Traceback", none.stderr)
 
 
+
+class TestFixesMadeElsewhere(SyncCase):
+    """A sync reads the commits new since it last looked (the current branch and the
+    remote's default branch) and resolves the pins their trailers name: a clone without
+    the hook, a merge or squash made on the forge, each pin once."""
+
+    def forge(self):
+        """A plain clone with git alone: where merges happen (a forge's merge button)."""
+        path = os.path.join(self.tmp, "forge")
+        git(self.tmp, "clone", "-q", self.remote, path)
+        for key, value in (("user.name", "Forge"), ("user.email", "forge@example.com")):
+            git(path, "config", key, value)
+        return path
+
+    def resolutions(self, machine, pin_id):
+        return machine.sql("SELECT COUNT(*) FROM events WHERE type = 'pin.resolved' AND "
+                           "json_extract(payload, '$.id') = ?", pin_id)[0][0]
+
+    def test_a_fix_committed_without_the_hook_resolves_at_the_next_sync_on_both_machines(self):
+        a, b = self.machines()
+        pin = a.ok("pin", "the total is cut off")
+        a.sync()
+        os.remove(os.path.join(b.repo, ".git", "hooks", "post-commit"))  # a clone as git makes it
+        first = b.sync()
+        self.assertIn("no post-commit hook", first["hook"])
+        self.assertIn("pinbox init", first["hook"])
+        self.assertNotIn("hook", b.sync())  # said once
+        sha = git_commit(b.repo, "Round the total\n\nFixes: %s" % pin["id"], env=b.env)
+        self.assertEqual(b.ok("show", pin["id"])["pin"]["status"], "open")  # no hook heard it
+        report = b.sync()
+        self.assertEqual(report["resolvedByCommits"], [{"pin": pin["id"], "commit": sha}])
+        git(b.repo, "push", "-q", "origin", "HEAD:main", env=b.env)
+        a.sync()
+        for machine in (a, b):
+            resolution = machine.ok("show", pin["id"])["pin"]["resolution"]
+            self.assertEqual((resolution["commit"], resolution["by"]), (sha, "human"), machine.name)
+        git(a.repo, "pull", "-q", "--no-rebase", "origin", "main", env=a.env)
+        for machine in (a, b, a, b):  # read again, pulled or not: nothing resolves twice
+            self.assertEqual(machine.sync()["resolvedByCommits"], [])
+            self.assertEqual(self.resolutions(machine, pin["id"]), 1, machine.name)
+
+    def test_a_merge_and_a_squash_on_the_default_branch_resolve_after_a_pull(self):
+        a, _ = self.machines()
+        merged, squashed, other = (a.ok("pin", text) for text in ("merged fix", "squashed fix", "never fixed"))
+        a.sync()
+        forge = self.forge()
+        git(forge, "checkout", "-q", "-b", "one")
+        side = git_commit(forge, "Fix the header\n\nFixes: %s" % merged["id"], "one.txt")
+        git(forge, "checkout", "-q", "-b", "two", "main")
+        git_commit(forge, "wip", "two.txt")
+        git_commit(forge, "Fix the footer\n\nCloses: %s" % squashed["id"], "two.txt")
+        git(forge, "checkout", "-q", "main")
+        git(forge, "merge", "-q", "--no-ff", "--no-edit", "one")
+        git(forge, "merge", "-q", "--squash", "two")
+        git(forge, "commit", "-q", "--no-edit")  # the squash message quotes each commit's
+        squash = git(forge, "rev-parse", "HEAD")
+        git(forge, "push", "-q", "origin", "main")
+        self.assertEqual(a.sync()["resolvedByCommits"], [])  # a fetch of pins alone: main not pulled yet
+        git(a.repo, "pull", "-q", "--no-rebase", "origin", "main", env=a.env)
+        found = a.sync()["resolvedByCommits"]
+        self.assertEqual(sorted((f["pin"], f["commit"]) for f in found),
+                         sorted([(merged["id"], side), (squashed["id"], squash)]))
+        self.assertEqual(a.ok("show", other["id"])["pin"]["status"], "open")
+        self.assertEqual(a.sync()["resolvedByCommits"], [])
+
+    def test_a_rejected_fix_stays_rejected_and_a_new_fix_resolves(self):
+        a, _ = self.machines()
+        pin = a.ok("pin", "the badge overlaps")
+        os.remove(os.path.join(a.repo, ".git", "hooks", "post-commit"))
+        first = git_commit(a.repo, "Try a fix\n\nFixes: %s" % pin["id"], env=a.env)
+        self.assertEqual(a.sync()["resolvedByCommits"], [{"pin": pin["id"], "commit": first}])
+        a.ok("verify", pin["id"], "--outcome", "reopened", "--note", "still overlaps")
+        # The rejected commit copied onto another branch (a cherry-pick keeps its author time).
+        git(a.repo, "checkout", "-q", "-b", "again", "HEAD~1")
+        git(a.repo, "cherry-pick", first, env=dict(a.env, GIT_COMMITTER_DATE="@%d +0000" % (time.time() + 1)))
+        self.assertNotEqual(git(a.repo, "rev-parse", "HEAD"), first)  # a copy (made in its second, it is not)
+        self.assertEqual(a.sync()["resolvedByCommits"], [])
+        self.assertEqual(a.ok("show", pin["id"])["pin"]["status"], "open")
+        later = dict(a.env, GIT_AUTHOR_DATE="@%d +0000" % (time.time() + 2))  # (not the reopen's second)
+        now = git_commit(a.repo, "Really fix it\n\nFixes: %s" % pin["id"], "badge.css", env=later)
+        self.assertEqual(a.sync()["resolvedByCommits"], [{"pin": pin["id"], "commit": now}])
+
+    def test_a_hub_reads_new_commits_while_sync_is_off(self):
+        a, _ = self.machines()
+        pin = a.ok("pin", "the modal will not close")
+        os.remove(os.path.join(a.repo, ".git", "hooks", "post-commit"))
+        a.serve(PINBOX_SYNC_INTERVAL_MS="200", PINBOX_SYNC_DELAY_MS="50")
+        sha = git_commit(a.repo, "Close on Escape\n\nResolves: %s" % pin["id"], env=a.env)
+        eventually(lambda: a.ok("show", pin["id"])["pin"]["status"] == "resolved", 20,
+                   "the hub reading the new commit")
+        self.assertEqual(a.ok("show", pin["id"])["pin"]["resolution"]["commit"], sha)
+        self.assertEqual(a.ok("sync", "--status")["enabled"], False)
+
+
 # ============================================================================
 # Evidence: where an element comes from, in this checkout
 # ============================================================================
@@ -9767,13 +9861,14 @@ class TestInitGitHook(PinboxCase):
         found = hook()
         self.assertFalse(found["ok"])
         self.assertEqual(found["detail"], "there is no post-commit hook at %s (git never clones hooks), so a commit "
-                                          "saying `Fixes: pin_…` resolves nothing here — fix: `pinbox init`" % hook_path)
+                                          "saying `Fixes: pin_…` resolves nothing here until a sync reads it — fix: `pinbox init`"
+                                          % hook_path)
         self.ok("init", cwd=clone)
         self.assertEqual(hook(), {"name": "git-hook", "ok": True, "detail": "%s resolves the pins a commit names "
                                                                            "(Fixes/Resolves/Closes)" % hook_path})
         os.chmod(hook_path, 0o644)  # git skips a hook it cannot run
-        self.assertIn("is not executable, so a commit saying `Fixes: pin_…` resolves nothing here — fix: `chmod +x %s`"
-                      % hook_path, hook()["detail"])
+        self.assertIn("is not executable, so a commit saying `Fixes: pin_…` resolves nothing here until a sync reads "
+                      "it — fix: `chmod +x %s`" % hook_path, hook()["detail"])
         with open(hook_path, "w") as handle:  # another tool took the hook over
             handle.write("#!/bin/sh\nexec lint-staged\n")
         os.chmod(hook_path, 0o755)
