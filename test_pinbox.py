@@ -338,8 +338,8 @@ class HubCase(PinboxCase):
 
     @property
     def state(self):
-        base = os.path.join(self.env["XDG_STATE_HOME"], "pinbox")
-        return os.path.join(base, os.listdir(base)[0])
+        """Where the hub keeps its files: beside the store (one hub per store)."""
+        return os.path.join(self.repo, ".pinbox")
 
     def wait_hub_json(self, accept, timeout=30):
         """hub.json once the hub is ready: it writes .pinbox/server.json last. (30 s: a
@@ -3212,6 +3212,30 @@ class TestCommitResolution(PinboxCase):
         error = self.fails("E_INVALID_INPUT", 2, "session", "trailer", "--commit", "nosuchcommit")
         self.assertIn("nosuchcommit", error["message"])
 
+    def test_the_fix_is_here_once_its_commit_or_a_squash_of_it_is(self):
+        """fix_not_here, on a real repository: a resolving commit on a branch this checkout
+        has not merged waits; merged, or squashed into a commit naming the pin, it is here;
+        a pin resolved without a commit, or a checkout without commits, never waits."""
+        pin = self.pin("the badge overlaps")
+        main = git(self.repo, "rev-parse", "--abbrev-ref", "HEAD")
+        git(self.repo, "checkout", "-q", "-b", "side")
+        side = git_commit(self.repo, "Fix the badge\n\nFixes: %s" % pin["id"], "badge.css", env=self.env)
+        git(self.repo, "checkout", "-q", main)
+        resolved = self.ok("show", pin["id"])["pin"]
+        self.assertEqual(resolved["resolution"]["commit"], side)  # (the hook, on the branch)
+        self.assertEqual(pinbox.fix_not_here(self.repo, resolved), "the fix (%s) is not in this checkout yet" % side[:7])
+        self.assertIsNone(pinbox.fix_not_here(self.repo, dict(resolved, resolution={"by": "agent", "commit": None})))
+        self.assertIsNone(pinbox.fix_not_here(self.repo, dict(resolved, status="open")))
+        git(self.repo, "merge", "-q", "--squash", "side")
+        git(self.repo, "-c", "core.hooksPath=/dev/null", "commit", "-q", "--no-edit")  # quotes the branch's message
+        self.assertIsNone(pinbox.fix_not_here(self.repo, resolved))
+        git(self.repo, "reset", "-q", "--hard", "HEAD~1")
+        git(self.repo, "merge", "-q", "--no-edit", "side")
+        self.assertIsNone(pinbox.fix_not_here(self.repo, resolved))
+        empty = os.path.join(self.tmp, "empty")
+        git(self.tmp, "init", "-q", empty)
+        self.assertIsNone(pinbox.fix_not_here(empty, resolved))
+
     def test_by_agent_only_inside_an_agent(self):
         # (Hermes's and OpenClaw's session variables mark their processes too: edges no other marker covers.)
         for env, expected in (({"CLAUDECODE": "1"}, "agent"), ({"PINBOX_SESSION": "ses_abcdefghij"}, "agent"),
@@ -3666,6 +3690,41 @@ class TestTheLoopOnThePage(BrowserCase):
         self.browser.wait_for("%s.length === %d" % (
             toolbar_element('[data-pinbox="marker"]').replace("querySelector(", "querySelectorAll("), count))
 
+    def test_no_after_picture_until_the_fix_is_in_this_checkout(self):
+        """A pin resolved by a commit this checkout lacks (a teammate's fix, synced but not
+        pulled): the page takes no after picture of the old code and says why, as does
+        `show`; once the commit is pulled, the reloaded page takes it."""
+        b = self.browser
+        b.open(self.url)
+        drop_pin(b, "document.getElementById('buy')", "The Buy button is hard to read")
+        self.markers(1)
+        [pin] = self.ok("list")
+        here = git(self.repo, "rev-parse", "--abbrev-ref", "HEAD")
+        git(self.repo, "checkout", "-q", "-b", "teammate")
+        with open(os.path.join(self.repo, "shop.css"), "w") as handle:
+            handle.write("button { background: #116611 }\n")
+        git(self.repo, "add", "shop.css")
+        git(self.repo, "-c", "core.hooksPath=/dev/null", "commit", "-qm", "Readable\n\nFixes: %s" % pin["id"])
+        fix = git(self.repo, "rev-parse", "HEAD")
+        git(self.repo, "checkout", "-q", here)
+        self.ok("session", "trailer", "--commit", fix)  # resolved by it, as a sync from the teammate would
+        waits = "the fix (%s) is not in this checkout yet" % fix[:7]
+        b.open(self.url)
+        self.markers(1)
+        b.click_at(toolbar_element('[data-pinbox="marker"][data-pin-id="%s"]' % pin["id"]))
+        b.wait_for("((%s || {}).textContent || '').includes(%s)" % (
+            toolbar_element('[data-pinbox="thread"]'), json.dumps("After the fix: %s — pull, then reload" % waits)))
+        self.assertNotIn("after", self.ok("show", pin["id"])["pin"])
+        self.assertIn("after     %s: the page takes the after picture once it is pulled" % waits,
+                      self.human("show", pin["id"]).out)
+        refused = self.request("POST", "/pins/%s/after" % pin["id"], {"found": True, "errors": []})
+        self.assertEqual((refused[0], refused[1]["error"]["code"], refused[1]["error"]["message"]),
+                         (409, "E_CONFLICT", waits))
+        git(self.repo, "merge", "-q", "--ff-only", "teammate")  # the pull
+        b.open(self.url)
+        after = eventually(lambda: self.ok("show", pin["id"])["pin"].get("after"), 15, "the after picture, pulled")
+        self.assertTrue(after["found"])
+
     def test_before_and_after_a_fix_then_accept_and_reopen(self):
         b = self.browser
         self.context()  # the session that will get the pins
@@ -3914,8 +3973,7 @@ class Machine:
         self.case.addCleanup(hub.terminate)
         server_json = os.path.join(self.repo, ".pinbox", "server.json")
         eventually(lambda: os.path.exists(server_json), 10, "%s's hub listening (its server.json)" % self.name)
-        state = os.path.join(self.env["XDG_STATE_HOME"], "pinbox")
-        with open(os.path.join(state, os.listdir(state)[0], "hub.json")) as handle:
+        with open(os.path.join(self.repo, ".pinbox", "hub.json")) as handle:
             info = json.load(handle)
         self.port, self.token = info["port"], info["token"]
         return hub
@@ -4149,6 +4207,85 @@ class TestSync(SyncCase):
     def test_a_pin_from_a_page_on_one_machine_reaches_an_agent_on_another_and_the_fix_comes_back(self):
         self.round_trip(None)
 
+    def test_joining_a_team_as_readme_says(self):
+        """README's "Joining a team", as a teammate runs it on a terminal: a fresh HOME, a
+        clone of the team's remote, pinbox dropped into PATH, the commands as written."""
+        pat = Machine(self, "pat", self.remote)
+        pin = pat.ok("pin", "the total is cut off")
+        pat.inject("kp")  # Pat's agent has it
+        pat.sync()
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
+            text = handle.read()
+        block = text[text.index("### Joining a team"):].split("```sh\n", 1)[1].split("```", 1)[0]
+        lines = [line.split("  #")[0].strip() for line in block.strip().splitlines()]
+        self.assertTrue(lines[0].startswith("git clone "), lines)
+        home, tools = os.path.join(self.tmp, "tess-home"), os.path.join(self.tmp, "tess-bin")
+        os.makedirs(tools)
+        shutil.copy(SCRIPT, os.path.join(tools, "pinbox"))
+        os.chmod(os.path.join(tools, "pinbox"), 0o755)
+        env = {k: v for k, v in self.base_env.items() if k not in ("PINBOX_NO_SPAWN", "XDG_STATE_HOME")}
+        env.update(HOME=home, BROWSER="true", PATH=tools + os.pathsep + env.get("PATH", os.defpath),
+                   GIT_CONFIG_GLOBAL=os.path.join(home, ".gitconfig"))
+        os.makedirs(home)
+        for key, value in (("user.name", "Tess"), ("user.email", "tess@example.com")):
+            git(self.tmp, "config", "--global", key, value, env=env)
+        shop = os.path.join(self.tmp, "shop")
+        git(self.tmp, "clone", "-q", self.remote, shop, env=env)
+        app, _ = fake_app(self, {"/": lambda h: send_plain(h, 200, b"<h1>Shop</h1>", [("Content-Type", "text/html")])})
+        self.addCleanup(lambda: run_on_terminal(["pinbox", "stop"], shop, env))
+        said = {}
+        for line in lines[1:]:
+            argv = shlex.split(line.replace(":5173", ":%d" % app))
+            self.assertEqual(argv[0], "pinbox", line)
+            done = run_on_terminal(argv, shop, env)
+            self.assertEqual(done.code, 0, (line, done))
+            said[argv[1]] = done.out + done.err
+        self.assertIn("ok  git-hook    installed .git/hooks/post-commit", said["init"])
+        self.assertRegex(said["sync"], r"synced with origin: [1-9]\d* event\(s\) in")
+        self.assertIn("the total is cut off  (with claude on PAT Person's machine (%s))" % socket.gethostname(),
+                      said["list"])
+        proxy = re.search(r"with the pinbox toolbar: http://localhost:(\d+)/", said["open"])
+        self.assertIsNotNone(proxy, said["open"])
+        conn = http.client.HTTPConnection("127.0.0.1", int(proxy.group(1)), timeout=10)
+        conn.request("GET", "/")
+        page = conn.getresponse().read().decode()
+        conn.close()
+        self.assertIn("<h1>Shop</h1>", page)
+        self.assertIn("toolbar.js", page)
+        git_commit(shop, "Fix the total\n\nFixes: %s" % pin["id"], env=env)  # the hook init installed
+        self.assertEqual(json.loads(run_on_terminal(["pinbox", "show", pin["id"], "--json"], shop, env).out)[
+            "data"]["pin"]["status"], "resolved")
+
+    def test_a_pin_another_machine_has_says_whose_it_is(self):
+        """list, show, the agent's context and the page name the machine whose agent has
+        a pin, in one line; this machine's agent counts it apart, never as its work."""
+        a, b = self.machines()
+        mine, theirs = b.ok("pin", "mine to fix"), a.ok("pin", "taken on A")
+        a.inject("ka")  # A's agent takes it
+        a.sync()
+        b.sync()
+        host = socket.gethostname()
+        where = "with claude on A Person's machine (%s)" % host
+        listed = b.human("list")
+        self.assertIn("taken on A  (%s)" % where, listed.out)
+        self.assertIn("mine to fix\n", listed.out)
+        self.assertIn("(2 open, 1 of the open with another machine's agent)", listed.err)
+        shown = b.human("show", theirs["id"]).out
+        self.assertIn("agent     claude session ka on A Person's machine (%s): agents here are not told" % host, shown)
+        context = b.inject("kb")
+        self.assertTrue(context.startswith("Pinbox: 1 open pin(s)."), context)
+        self.assertEqual([line for line in context.splitlines() if theirs["id"] in line],
+                         ["Not yours — leave these to the agent that has them: %s %s." % (theirs["id"], where)])
+        self.assertIn(mine["id"], context)
+        b.ok("resolve", mine["id"])  # nothing left for B's agent: it is still told whose the other one is
+        context = b.inject("kb")
+        self.assertTrue(context.startswith("Pinbox: 0 open pin(s)."), context)
+        self.assertIn("Not yours — leave these to the agent that has them: %s %s." % (theirs["id"], where), context)
+        b.serve()
+        progress = b.api("GET", "/progress?pin=" + theirs["id"])
+        session = progress["sessions"][progress["pins"][theirs["id"]]["session"]]
+        self.assertEqual((session["agent"], session["by"], session["host"]), ("claude", "A Person", host))
+
     def test_the_same_through_git_daemon(self):
         self.round_trip(self.git_daemon())
 
@@ -4210,7 +4347,9 @@ class TestSync(SyncCase):
         told = loser.inject(lost_key)
         self.assertIn("moved to claude session %s" % won_key, told)
         self.assertNotIn("moved", loser.inject(lost_key))  # told once
-        self.assertNotIn(pin["id"], loser.inject(lost_key))  # and no longer shown the pin
+        self.assertEqual([line for line in loser.inject(lost_key).splitlines() if pin["id"] in line], [
+            "Not yours — leave these to the agent that has them: %s with claude on %s Person's machine (%s)." % (
+                pin["id"], winner.name.upper(), socket.gethostname())])  # no longer given it as work
         self.assertIn(pin["id"], winner.inject(won_key))
         # A person's reply on the loser's machine follows the pin to the winner's session.
         loser.ok("reply", pin["id"], "it also happens on mobile")
@@ -4377,8 +4516,8 @@ class TestSync(SyncCase):
         item = "%s.querySelector('[data-pinbox=\"drawer-pin\"]')" % shadow
         browser.wait_for("!!(%s) && (%s).innerText.includes('Delivered to')" % (item, item), timeout=10)
         text = browser.evaluate("(%s).innerText" % item)
-        self.assertIn("claude (ka) on %s" % host, text)  # who has it, and on which machine
-        self.assertIn("Delivered to claude (ka) on %s" % host, text)
+        self.assertIn("claude (ka) on A Person's machine (%s)" % host, text)  # who has it, on which machine
+        self.assertIn("Delivered to claude (ka) on A Person's machine (%s)" % host, text)
         a.serve()
         browser.open("http://127.0.0.1:%d/#token=%s" % (a.port, a.token))
         browser.wait_for("document.getElementById('pins').rows.length > 1 && "
@@ -5032,14 +5171,15 @@ class TestFixesMadeElsewhere(SyncCase):
         now = git_commit(a.repo, "Really fix it\n\nFixes: %s" % pin["id"], "badge.css", env=later)
         self.assertEqual(a.sync()["resolvedByCommits"], [{"pin": pin["id"], "commit": now}])
 
-    def test_a_hub_reads_new_commits_while_sync_is_off(self):
+    def test_a_hub_starting_reads_the_new_commits(self):
+        """Every command starts the hub: a fix made without the hook (or pulled) resolves
+        its pin once any command runs, sync on or off."""
         a, _ = self.machines()
         pin = a.ok("pin", "the modal will not close")
         os.remove(os.path.join(a.repo, ".git", "hooks", "post-commit"))
-        a.serve(PINBOX_SYNC_INTERVAL_MS="200", PINBOX_SYNC_DELAY_MS="50")
         sha = git_commit(a.repo, "Close on Escape\n\nResolves: %s" % pin["id"], env=a.env)
-        eventually(lambda: a.ok("show", pin["id"])["pin"]["status"] == "resolved", 20,
-                   "the hub reading the new commit")
+        self.assertEqual(a.ok("show", pin["id"])["pin"]["status"], "open")
+        a.serve()  # (returns once it listens)
         self.assertEqual(a.ok("show", pin["id"])["pin"]["resolution"]["commit"], sha)
         self.assertEqual(a.ok("sync", "--status")["enabled"], False)
 
@@ -7615,18 +7755,19 @@ class TestProxyParts(unittest.TestCase):
 
     def test_the_kept_proxy_ports_are_read_whatever_the_file_holds(self):
         from unittest import mock
-        state = tempfile.mkdtemp(prefix="pinbox-state-")
-        self.addCleanup(shutil.rmtree, state, True)
-        with mock.patch.dict(os.environ, {"XDG_STATE_HOME": state}):
-            path = pinbox.proxy_ports_path("/some/project")
+        project = tempfile.mkdtemp(prefix="pinbox-project-")
+        self.addCleanup(shutil.rmtree, project, True)
+        with mock.patch.dict(os.environ, {"PINBOX_DIR": ""}):
+            path = pinbox.proxy_ports_path(project)
+            self.assertEqual(path, os.path.join(project, ".pinbox", "proxies.json"))  # beside the store
             os.makedirs(os.path.dirname(path))
-            self.assertEqual(pinbox.proxy_ports("/some/project"), {})  # none yet
+            self.assertEqual(pinbox.proxy_ports(project), {})  # none yet
             for garbage, kept in (("{not json", {}), ("[]", {}), ("\xff\xfe", {}), (
                     '{"http://localhost:1": "x", "http://localhost:2": 99999, "http://localhost:3": true, '
                     '"http://localhost:4": 0, "http://localhost:5173": 41234}', {"http://localhost:5173": 41234})):
                 with open(path, "w", encoding="latin-1") as handle:
                     handle.write(garbage)
-                self.assertEqual(pinbox.proxy_ports("/some/project"), kept, garbage)
+                self.assertEqual(pinbox.proxy_ports(project), kept, garbage)
 
     def test_the_app_is_named_by_its_url_or_its_port(self):
         self.assertEqual(pinbox.parse_upstream("http://localhost:5173/app"), ("http", "localhost", 5173))
@@ -8043,9 +8184,8 @@ class TestPageProxy(HubCase):
         self.start_hub()
         self.assertEqual(self.open_app(app), moved)
         self.stop_hub(self.proc)  # a file that is not JSON (other garbage: TestProxyParts) starts over
-        kept = [os.path.join(root, "proxies.json") for root, _, files in os.walk(self.env["XDG_STATE_HOME"])
-                if "proxies.json" in files]
-        self.assertEqual(len(kept), 1, kept)
+        kept = [os.path.join(root, "proxies.json") for root, _, files in os.walk(self.tmp) if "proxies.json" in files]
+        self.assertEqual(kept, [os.path.join(self.state, "proxies.json")])
         pinbox.write_file(kept[0], "{not json")
         self.start_hub()
         self.assertEqual(self.fetch("GET", "/", port=self.open_app(app))[0], 200)
@@ -8346,11 +8486,19 @@ class TestStartingHubs(HubCase):
         self.assertIsNone([p for p in procs if p.pid == hub["pid"]][0].poll())
 
     def test_a_hub_that_cannot_start_does_not_fail_the_command(self):
+        self.stop_hub(self.proc)
+        os.unlink(os.path.join(self.state, "hub.lock"))
+        os.mkdir(os.path.join(self.state, "hub.lock"))  # no lock to take: a hub cannot run here
         env = {k: v for k, v in self.env.items() if k not in ("HOME", "XDG_STATE_HOME", "PINBOX_NO_SPAWN")}
         r = self.run_pinbox("pin", "stored anyway", env=env)
         self.assertEqual(r.code, 0, r)
         self.assertEqual(r.json["data"]["text"], "stored anyway")
-        self.assertEqual(len(r.err.splitlines()), 1)
+        self.assertEqual(r.err, "")
+        self.assertIsNone(pinbox.read_hub_json(os.path.join(self.state, "hub.json")))
+        with unittest.mock.patch.object(pinbox, "ensure_hub", side_effect=OSError("no more processes")), \
+                unittest.mock.patch.object(pinbox, "write_err") as said:
+            pinbox.start_hub_quietly(self.repo)
+        said.assert_called_once_with("pinbox: could not start the hub: no more processes\n")
 
     def test_a_command_returns_once_the_hub_it_started_listens(self):
         fresh = os.path.join(self.tmp, "fresh")
@@ -8413,6 +8561,46 @@ class TestStartingHubs(HubCase):
         self.ok("list", env=env)
         third = self.wait_hub_json(lambda data: pid_running(data["pid"]) and data["pid"] != again["pid"])
         self.addCleanup(self.end_hub, third["pid"])
+
+    def test_one_hub_per_store_whatever_the_home(self):
+        """A tool started under another HOME (`sudo -E`, an IDE's) finds the hub of the
+        store and does not start a second; its `stop` ends that hub. The token an older
+        pinbox kept in the user's state folder is carried over (pasted script tags work)."""
+        self.stop_hub(self.proc)
+        homes = []
+        for name in ("one", "two"):
+            env = {k: v for k, v in self.env.items() if k != "PINBOX_NO_SPAWN"}
+            env.update(HOME=os.path.join(self.tmp, name + "-home"), XDG_STATE_HOME=os.path.join(self.tmp, name + "-st"))
+            os.makedirs(env["HOME"])
+            homes.append(env)
+        for name in ("token", "port"):  # as an older pinbox left the store: its hub's files were elsewhere
+            os.unlink(os.path.join(self.state, name))
+        with unittest.mock.patch.dict(os.environ, homes[0]):
+            old = pinbox.state_dir(self.repo)
+        pinbox.write_file(os.path.join(old, "token"), "t" * 40 + "\n", private=True)
+        self.ok("list", env=homes[0])
+        hub = self.wait_hub_json(lambda data: pid_running(data["pid"]))
+        self.addCleanup(self.end_hub, hub["pid"])
+        self.assertEqual(hub["token"], "t" * 40)
+        self.ok("pin", "from the other HOME", env=homes[1])
+        self.ok("list", env=homes[1])
+        serving = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and
+                   self.read_cmdline(pid).endswith(" serve --project %s " % self.repo)]
+        self.assertEqual(serving, [hub["pid"]])
+        self.assertEqual([s["pid"] for s in self.ok("stop", env=homes[1])["stopped"]], [hub["pid"]])
+        self.wait_gone(hub["pid"])
+        # `stop --all` finds a hub through the pointer its starter's state folder keeps.
+        self.ok("list", env=homes[0])
+        again = self.wait_hub_json(lambda data: pid_running(data["pid"]) and data["pid"] != hub["pid"])
+        self.addCleanup(self.end_hub, again["pid"])
+        self.assertEqual([s["pid"] for s in self.ok("stop", "--all", env=homes[0])["stopped"]], [again["pid"]])
+
+    def read_cmdline(self, pid):
+        try:
+            with open("/proc/%s/cmdline" % pid, "rb") as handle:
+                return handle.read().replace(b"\0", b" ").decode("utf-8", "replace")
+        except OSError:
+            return ""
 
 
 # ============================================================================
