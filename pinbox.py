@@ -10,7 +10,7 @@ py=${PINBOX_PYTHON:-}
 [ -n "$py" ] || { read -r py <"${HOME:-/}/.cache/pinbox/python"; } 2>/dev/null
 command -v "$py" >/dev/null 2>&1 || py=python3
 exec "$py" -I -S -c '
-import sys, os
+import sys, os, gc
 path = os.path.realpath(sys.argv.pop(1))
 sys.argv[0] = path
 if not os.access(os.path.dirname(path), os.W_OK):
@@ -19,7 +19,9 @@ from importlib.machinery import SourceFileLoader
 loader = SourceFileLoader("pinbox", path)
 module = sys.modules["pinbox"] = type(sys)("pinbox")
 module.__file__ = path
+gc.disable()  # while it loads: the collections its unmarshalling sets off cost ~1 ms
 loader.exec_module(module)
+gc.enable()
 module.main_as_command()
 ' "$0" "$@"
 
@@ -592,6 +594,18 @@ MIGRATIONS = {
         "CREATE INDEX IF NOT EXISTS pins_notes ON pins(status) WHERE json_extract(json, '$.intent') IS NOT NULL",
         "CREATE TABLE IF NOT EXISTS asks(id TEXT PRIMARY KEY, pin_id TEXT, page TEXT, session_id TEXT,"
         " json TEXT NOT NULL, asked_at TEXT NOT NULL, answer TEXT)",
+    ],
+    # Every prompt re-lists the open pins: the last list made is kept with the count of
+    # pin writes it saw (kept by triggers, whoever writes a pin), and said again while
+    # that count stands.
+    13: [
+        "CREATE TABLE IF NOT EXISTS pin_writes(one INTEGER PRIMARY KEY CHECK (one = 1), n INTEGER NOT NULL)",
+        "INSERT OR IGNORE INTO pin_writes(one, n) VALUES (1, 0)",
+        "CREATE TRIGGER IF NOT EXISTS pins_inserted AFTER INSERT ON pins BEGIN UPDATE pin_writes SET n = n + 1; END",
+        "CREATE TRIGGER IF NOT EXISTS pins_updated AFTER UPDATE ON pins BEGIN UPDATE pin_writes SET n = n + 1; END",
+        "CREATE TRIGGER IF NOT EXISTS pins_deleted AFTER DELETE ON pins BEGIN UPDATE pin_writes SET n = n + 1; END",
+        "CREATE TABLE IF NOT EXISTS prompt_context(one INTEGER PRIMARY KEY CHECK (one = 1), pin_writes INTEGER NOT NULL,"
+        " made_by TEXT NOT NULL, context TEXT NOT NULL)",
     ],
 }
 SCHEMA_VERSION = max(MIGRATIONS)
@@ -2040,6 +2054,13 @@ def newest_open_pins(conn):
     return pins, count_open_pins(conn) if len(pins) == HOOK_CAP else len(pins), pins_elsewhere(conn)
 
 
+def pin_writes(conn):
+    """How many times a pin was written, ever (triggers count every insert, update and
+    delete, whoever makes it): a list of pins made at one count is true while it stands."""
+    row = conn.execute("SELECT n FROM pin_writes").fetchone()
+    return row[0] if row else 0
+
+
 def pins_elsewhere(conn, limit=HOOK_CAP):
     """[(pin id, its binding)] of the open tasks another machine's sessions have, newest
     first (read off the pins_remote index, without decoding a pin)."""
@@ -2097,16 +2118,15 @@ def pull_for_session(store, agent, key, cwd=None):
     """What the prompt hook does: the session is registered or revived, claims rows
     nobody had, and collects what is pending for it — at most HOOK_CAP rows each, so the
     write transaction is as short at 20,000 waiting pins as at 10; the rest wait for the
-    next hook. Returns (session, the newest HOOK_CAP open pins, how many are open, the
-    open pins other machines have, arrivals, rows delivered)."""
+    next hook. Returns (session, arrivals, rows delivered); the open pins are read after
+    (newest_open_pins), when the caller has no list of them that is still true."""
     with store.write() as conn:
         session, _ = upsert_session(conn, agent, key, cwd)
         claim_unassigned(conn, session)
         rows = pending_pulls(conn, session["id"], HOOK_CAP)
         arrivals = Arrivals(conn, rows)
         mark_delivered(conn, [r[0] for r in rows])
-        pins, total, elsewhere = newest_open_pins(conn)
-    return session, pins, total, elsewhere, arrivals, len(rows)
+    return session, arrivals, len(rows)
 
 
 def collect_mid_turn(store, agent, key):
@@ -2465,6 +2485,32 @@ def injection_context(pins, arrivals, notes=(), total=None, elsewhere=()):
         notes = ("Notes from the person (context for your work, not tasks; each shown once):\n" + "\n".join(
             agent_pin_line(pin, home, 300)[:1500] for pin in arrivals.notes[:10]),) + tuple(notes)
     return build_context(header, pins, arrivals.messages, notes=notes, total=total)
+
+
+def kept_context(store):
+    """The context the last prompt with nothing new said, while no pin was written since
+    and this pinbox made it (its words may change with pinbox), or None."""
+    with store.guard():
+        row = store.conn.execute("SELECT c.context FROM prompt_context c JOIN pin_writes w ON c.pin_writes = w.n "
+                                 "WHERE c.made_by = ?", (context_maker(),)).fetchone()
+    return row[0] if row else None
+
+
+def keep_context(store, writes, context):
+    """Keeps a prompt's context (the open pins alone) for the prompts after it: building
+    a hundred pin lines is most of a prompt hook's work, and they change only when a pin
+    is written. `writes`: pin_writes when the pins were read."""
+    with store.write() as conn:
+        conn.execute("INSERT OR REPLACE INTO prompt_context(one, pin_writes, made_by, context) VALUES (1, ?, ?, ?)",
+                     (writes, context_maker(), context))
+
+
+def context_maker():
+    """This pinbox: its version and its file's time (a changed file may word things anew)."""
+    try:
+        return "%s %d" % (VERSION, os.stat(__file__).st_mtime_ns)
+    except OSError:  # (inside a zipapp)
+        return VERSION
 
 
 def elsewhere_line(elsewhere):
@@ -4936,8 +4982,9 @@ def r_inject(hub, request, session_id):
     with hub.store() as store:
         with store.guard():
             session = _session_or_404(store.conn, session_id)
-        session, pins, total, elsewhere, arrivals, delivered = pull_for_session(store, session["agent"],
-                                                                               session["key"])
+        session, arrivals, delivered = pull_for_session(store, session["agent"], session["key"])
+        with store.guard():
+            pins, total, elsewhere = newest_open_pins(store.conn)
     return Response(200, {"context": injection_context(pins, arrivals, total=total, elsewhere=elsewhere), "pins": pins,
                           "delivered": delivered})
 
@@ -7310,12 +7357,15 @@ def write_env_file(session):
 # compiles it on every call, which would cost every prompt and every commit ~80 ms. The
 # folder is appended to sys.path, so nothing beside pinbox.py can shadow the stdlib.
 # A pinbox that was moved or deleted makes the hook a silent no-op, never a traceback.
-_BOOT_IMPORT = "import sys,os;os.path.exists(%s) or %s;sys.path.append(%s);__import__(%s).main()"
+# The collector is off while the module loads: unmarshalling it makes tens of thousands
+# of tuples, and the collections they set off cost a hook ~1 ms (it is on again after).
+_BOOT_IMPORT = ("import sys,os,gc;os.path.exists(%s) or %s;sys.path.append(%s);gc.disable();m=__import__(%s);"
+                "gc.enable();m.main()")
 # A copy without the .py suffix (pinbox on PATH) is loaded by path, by its loader alone:
 # importlib.util (module_from_spec) would import contextlib and functools, ~6 ms a hook.
-_BOOT_LOADER = ("import sys,os;os.path.exists(%s) or %s;from importlib.machinery import SourceFileLoader as L;"
-                'l=L("pinbox",%s);m=type(sys)("pinbox");m.__file__=l.path;sys.modules["pinbox"]=m;l.exec_module(m);'
-                "m.main()")
+_BOOT_LOADER = ("import sys,os,gc;os.path.exists(%s) or %s;from importlib.machinery import SourceFileLoader as L;"
+                'l=L("pinbox",%s);m=type(sys)("pinbox");m.__file__=l.path;sys.modules["pinbox"]=m;gc.disable();'
+                "l.exec_module(m);gc.enable();m.main()")
 
 
 def pinbox_argv(args, gone="sys.exit(0)"):
@@ -8930,13 +8980,24 @@ def cmd_session_inject(ctx):
     store = session_store(ctx)
     if store is None:
         return 0
-    session, pins, total, elsewhere, arrivals, delivered = pull_for_session(store, agent, key, cwd)
+    session, arrivals, delivered = pull_for_session(store, agent, key, cwd)
     mail = unread_mail_line(store, session["id"])
+    plain_list = not (len(arrivals) or mail)  # the open pins alone: what the last prompt may have said
+    if ctx.args.hook and plain_list:
+        kept = kept_context(store)
+        if kept:
+            write_out(dumps_compact(hook_context_output(agent, ctx.payload, kept)) + "\n")
+            return 0
+    with store.guard():
+        writes = pin_writes(store.conn)
+        pins, total, elsewhere = newest_open_pins(store.conn)
     has_news = bool(pins or elsewhere) or bool(arrivals.messages or arrivals.notes or arrivals.nudges) or bool(mail)
     context = injection_context(pins, arrivals, [mail] if mail else [], total=total, elsewhere=elsewhere)
     if ctx.args.hook:
         if has_news:
             write_out(dumps_compact(hook_context_output(agent, ctx.payload, context)) + "\n")
+            if plain_list:
+                keep_context(store, writes, context)
         return 0
     if ctx.args.raw:
         if has_news:

@@ -2479,6 +2479,30 @@ class TestInjectAndStop(HookCase):
         self.assertEqual(self.ok("session", "list"), [])
         self.assertEqual(self.sql("SELECT id, session_id, status FROM deliveries"), rows)
 
+    def test_a_prompt_with_nothing_new_says_the_last_list_again_until_a_pin_is_written(self):
+        """The open pins alone are said again from the kept context while no pin was
+        written since (counted by triggers, whoever writes: the hub, sync, another
+        pinbox), and by this pinbox; any pin write, or another pinbox, makes it anew."""
+        self.register("k1")
+        a, b = self.pin("Save button is clipped"), self.pin("Footer overlaps")
+        self.inject("k1")  # (the two pins arrive: news, so nothing is kept)
+        self.assertEqual(self.sql("SELECT context FROM prompt_context"), [])
+        first = self.inject("k1")
+        self.assertEqual(self.sql("SELECT context FROM prompt_context"), [(first,)])
+        self.sql_write("UPDATE prompt_context SET context = 'the kept list'")
+        self.assertEqual(self.inject("k1"), "the kept list")  # nothing written: said again as kept
+        # A write no command of this pinbox makes (another program on the store).
+        self.sql_write("UPDATE pins SET json = json_set(json, '$.text', 'Footer overlaps on mobile') WHERE id = ?", b["id"])
+        fresh = self.inject("k1")
+        self.assertIn("Footer overlaps on mobile (%s)" % b["id"], fresh)
+        self.sql_write("UPDATE prompt_context SET made_by = 'an older pinbox', context = 'old words'")
+        self.assertEqual(self.inject("k1"), fresh)  # another pinbox's words are not reused
+        self.ok("resolve", a["id"])
+        self.assertNotIn(a["id"], self.inject("k1"))
+        self.ok("reply", b["id"], "any news?")  # news: said with the list, never from the kept one
+        self.assertIn("any news?", self.inject("k1"))
+        self.assertNotIn("any news?", self.inject("k1"))
+
     def test_inject_lists_every_open_pin_and_the_news_quoted(self):
         self.register("k1")
         a = self.pin("Save button is clipped", "--url", "http://localhost:3000/", "--selector", "#save")
