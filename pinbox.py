@@ -275,6 +275,41 @@ def user_cache(name):
     return os.path.join(os.path.expanduser("~"), ".cache", "pinbox", name)
 
 
+# The collector is off while the module loads: unmarshalling it makes tens of thousands
+# of tuples, and the collections they set off cost a hook ~1 ms (it is on again after).
+_BOOT_IMPORT = ("import sys,os,gc;os.path.exists(%s) or %s;sys.path.append(%s);gc.disable();m=__import__(%s);"
+                "gc.enable();m.main()")
+# A copy without the .py suffix (pinbox on PATH) is loaded by path, by its loader alone:
+# importlib.util (module_from_spec) would import contextlib and functools, ~6 ms a hook.
+_BOOT_LOADER = ("import sys,os,gc;os.path.exists(%s) or %s;from importlib.machinery import SourceFileLoader as L;"
+                'l=L("pinbox",%s);m=type(sys)("pinbox");m.__file__=l.path;sys.modules["pinbox"]=m;gc.disable();'
+                "l.exec_module(m);gc.enable();m.main()")
+
+
+def pinbox_argv(args, gone="sys.exit(0)"):
+    """The argv running this copy of pinbox with `args`, as fast as Python can: an
+    absolute interpreter (no pyenv shim), no site-packages (-S), isolated (-I), from
+    cached bytecode. `gone` runs instead when the copy is no longer there."""
+    import json
+    python = sys.executable or "python3"
+    path = self_path()
+    if not os.path.isfile(path):
+        # Inside a zipapp: run the archive itself.
+        archive = path
+        while archive and not os.path.isfile(archive):
+            archive = os.path.dirname(archive)
+        return [python, "-I", "-S", archive] + list(args)
+    command = [python, "-I", "-S"]
+    if not os.access(os.path.dirname(path), os.W_OK):
+        command += ["-X", "pycache_prefix=" + user_cache("pycache")]
+    folder, name = os.path.split(path)
+    if name.endswith(".py"):
+        boot = _BOOT_IMPORT % (json.dumps(path), gone, json.dumps(folder), json.dumps(name[:-3]))
+    else:
+        boot = _BOOT_LOADER % (json.dumps(path), gone, json.dumps(path))
+    return command + ["-c", boot] + list(args)
+
+
 def command_output(argv, timeout=10.0):
     """stdout of a short command, or None when it is missing, fails or runs past
     `timeout` (then it is killed). Started with posix_spawn, not subprocess: importing
@@ -6544,9 +6579,9 @@ def ensure_hub(root, quick=False, wait=0.0):
         return None
     if not os.path.exists(os.path.join(directory, "pinbox.db")) and not os.path.exists(os.path.join(root, ".git")):
         return None
-    command = [sys.executable or "python3", "-I", "-S", self_path(), "serve", "--project", root]
     if not os.path.isfile(self_path()):
         return None
+    command = pinbox_argv(["serve", "--project", root])  # from cached bytecode: compiling it took ~0.3 s
     pid = os.fork()
     if pid == 0:  # the child becomes the hub
         try:
@@ -7357,41 +7392,6 @@ def write_env_file(session):
 # compiles it on every call, which would cost every prompt and every commit ~80 ms. The
 # folder is appended to sys.path, so nothing beside pinbox.py can shadow the stdlib.
 # A pinbox that was moved or deleted makes the hook a silent no-op, never a traceback.
-# The collector is off while the module loads: unmarshalling it makes tens of thousands
-# of tuples, and the collections they set off cost a hook ~1 ms (it is on again after).
-_BOOT_IMPORT = ("import sys,os,gc;os.path.exists(%s) or %s;sys.path.append(%s);gc.disable();m=__import__(%s);"
-                "gc.enable();m.main()")
-# A copy without the .py suffix (pinbox on PATH) is loaded by path, by its loader alone:
-# importlib.util (module_from_spec) would import contextlib and functools, ~6 ms a hook.
-_BOOT_LOADER = ("import sys,os,gc;os.path.exists(%s) or %s;from importlib.machinery import SourceFileLoader as L;"
-                'l=L("pinbox",%s);m=type(sys)("pinbox");m.__file__=l.path;sys.modules["pinbox"]=m;gc.disable();'
-                "l.exec_module(m);gc.enable();m.main()")
-
-
-def pinbox_argv(args, gone="sys.exit(0)"):
-    """The argv running this copy of pinbox with `args`, as fast as Python can: an
-    absolute interpreter (no pyenv shim), no site-packages (-S), isolated (-I), from
-    cached bytecode. `gone` runs instead when the copy is no longer there."""
-    import json
-    python = sys.executable or "python3"
-    path = self_path()
-    if not os.path.isfile(path):
-        # Inside a zipapp: run the archive itself.
-        archive = path
-        while archive and not os.path.isfile(archive):
-            archive = os.path.dirname(archive)
-        return [python, "-I", "-S", archive] + list(args)
-    command = [python, "-I", "-S"]
-    if not os.access(os.path.dirname(path), os.W_OK):
-        command += ["-X", "pycache_prefix=" + user_cache("pycache")]
-    folder, name = os.path.split(path)
-    if name.endswith(".py"):
-        boot = _BOOT_IMPORT % (json.dumps(path), gone, json.dumps(folder), json.dumps(name[:-3]))
-    else:
-        boot = _BOOT_LOADER % (json.dumps(path), gone, json.dumps(path))
-    return command + ["-c", boot] + list(args)
-
-
 def hook_command(args, gone="sys.exit(0)"):
     """pinbox_argv as one shell command (a hook: nothing, quietly, when pinbox is gone)."""
     import shlex

@@ -51,6 +51,10 @@ import pinbox  # noqa: E402  (pure helpers are tested in-process too)
 # Imports pinbox from its cached bytecode, the way the hook commands run it; the
 # script itself is run directly by the tests that are about the script.
 BOOT = "import sys; sys.path.insert(0, %r); import pinbox; pinbox.main()" % HERE
+# pinbox as the hooks and the launcher run it: from its cached bytecode, without
+# site-packages (a site's .pth files can cost a Python start 60 ms; `python3 pinbox.py`,
+# which compiles the whole file, is tested as a form of its own).
+PINBOX = (sys.executable, "-S", "-c", BOOT)
 
 
 PIN_ID = r"^pin_[a-z0-9]{10}$"
@@ -170,7 +174,7 @@ class Result:
 def on_terminal(args, cwd, env):
     """Runs a pinbox command with stdout on a terminal (human mode), as a person types
     it; stderr is a pipe."""
-    return run_on_terminal([sys.executable, "-c", BOOT] + list(args), cwd, env)
+    return run_on_terminal(list(PINBOX) + list(args), cwd, env)
 
 
 def run_on_terminal(argv, cwd, env):
@@ -216,7 +220,7 @@ class PinboxCase(unittest.TestCase):
         git(self.repo, "config", "user.name", "Pat Tester")
 
     def run_pinbox(self, *args, stdin=b"", cwd=None, env=None, script=False, timeout=60, boot=BOOT):
-        command = [sys.executable, SCRIPT] if script else [sys.executable, "-c", boot]
+        command = [sys.executable, SCRIPT] if script else [sys.executable, "-S", "-c", boot]
         done = subprocess.run(command + [str(a) for a in args], cwd=cwd or self.repo, env=env or self.env,
                               input=stdin if isinstance(stdin, bytes) else stdin.encode(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout)
@@ -243,7 +247,7 @@ class PinboxCase(unittest.TestCase):
 
     def lock_store(self, seconds=10):
         """Another process holds the store's write lock for `seconds`."""
-        holder = subprocess.Popen([sys.executable, "-c", (
+        holder = subprocess.Popen([sys.executable, "-S", "-c", (
             "import sqlite3, time\n"
             "c = sqlite3.connect(%r, isolation_level=None)\n"
             "c.execute('BEGIN EXCLUSIVE'); print('locked', flush=True); time.sleep(%d)") % (self.db_path, seconds)],
@@ -308,7 +312,7 @@ class HubCase(PinboxCase):
 
     HUB_ENV = {}
 
-    def start_hub(self, env=None, command=(sys.executable, SCRIPT)):
+    def start_hub(self, env=None, command=PINBOX):
         env = dict(env or self.env, PINBOX_IDLE_MS=self.IDLE_MS, **self.HUB_ENV)
         self.proc = subprocess.Popen(list(command) + ["serve"], cwd=self.repo, env=env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -924,7 +928,7 @@ class Chromium:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DBUS")}
         env.update(HOME=self.home, TMPDIR=self.home, XDG_CONFIG_HOME=self.home, XDG_CACHE_HOME=self.home)
         self.log = open(os.path.join(self.home, "stderr.log"), "wb")
-        self.proc = subprocess.Popen([sys.executable, "-c", self.LAUNCHER, str(to_r), str(from_w), binary]
+        self.proc = subprocess.Popen([sys.executable, "-S", "-c", self.LAUNCHER, str(to_r), str(from_w), binary]
                                      + self.FLAGS + ["--user-data-dir=" + os.path.join(self.home, "profile"),
                                                      "about:blank"],
                                      pass_fds=(to_r, from_w), env=env, stdin=subprocess.DEVNULL,
@@ -1343,7 +1347,7 @@ class TestStore(PinboxCase):
         env = dict(self.env)
 
         def run(*args):
-            done = subprocess.run([sys.executable, "-c", wrapper] + list(args), cwd=self.repo, env=env,
+            done = subprocess.run([sys.executable, "-S", "-c", wrapper] + list(args), cwd=self.repo, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             self.assertEqual(done.returncode, 0, done.stderr)  # (doctor too: no agent wired is a warning)
             return json.loads(done.stdout)["data"]
@@ -1367,7 +1371,7 @@ class TestStore(PinboxCase):
                   "    with contextlib.redirect_stdout(io.StringIO()):\n"
                   "        codes.append(pinbox.run(['pin', 'race %%s-%%d' %% (sys.argv[1], i), '--json']))\n"
                   "sys.exit(max(codes))\n" % (HERE, campaign(25, 100)))
-        procs = [subprocess.Popen([sys.executable, "-c", worker, str(w)], cwd=self.repo, env=self.env,
+        procs = [subprocess.Popen([sys.executable, "-S", "-c", worker, str(w)], cwd=self.repo, env=self.env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for w in range(8)]
         outputs = [p.communicate(timeout=120) for p in procs]
         for proc, (out, err) in zip(procs, outputs):
@@ -1486,7 +1490,7 @@ class TestStoreFaults(HubCase):
         self.assertEqual(error["hint"], "make %s and its folder writable" % self.db_path)
         self.quiet_hook()
         git_commit(self.repo, "Fixes: %s" % kept[2], env=self.env)
-        serve = subprocess.run([sys.executable, SCRIPT, "serve"], cwd=self.repo, env=self.env, timeout=30,
+        serve = subprocess.run([*PINBOX, "serve"], cwd=self.repo, env=self.env, timeout=30,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.assertEqual(serve.returncode, 1)
         self.assertIn("read-only", json.loads(serve.stdout)["error"]["message"])
@@ -1563,7 +1567,7 @@ class TestLoad(HookCase):
         seconds = float(os.environ.get("PINBOX_LOAD_SECONDS") or 6)
         seed = int(os.environ.get("PINBOX_FUZZ_SEED") or random.randrange(1 << 30))
         env = dict(self.env, PINBOX_MAX_SESSIONS="100")
-        procs = [subprocess.Popen([sys.executable, "-c", LOAD_WORKER, HERE, str(i), str(seconds), str(seed), "16"],
+        procs = [subprocess.Popen([sys.executable, "-S", "-c", LOAD_WORKER, HERE, str(i), str(seconds), str(seed), "16"],
                                   cwd=self.repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                  for i in range(16)]
         results = []
@@ -1597,7 +1601,7 @@ class TestKills(HubCase):
         for i in range(4):  # the workers' start barrier counts sessions: a worker killed early must not hold it
             self.ok("session", "register", "--agent", "claude", "--key", "load-%d" % i, "--cwd", self.repo)
         for round_number in range(rounds):
-            procs = [subprocess.Popen([sys.executable, "-c", LOAD_WORKER, HERE, str(i), "0.6",
+            procs = [subprocess.Popen([sys.executable, "-S", "-c", LOAD_WORKER, HERE, str(i), "0.6",
                                        str(seed + round_number), "4"], cwd=self.repo, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(4)]
             time.sleep(rnd.uniform(0.05, 0.7))
@@ -1873,7 +1877,7 @@ class TestPins(PinboxCase):
 
     def test_non_utf8_arguments_and_stdin_are_refused_cleanly(self):
         bad = b"caf\xe9 menu"
-        done = subprocess.run([sys.executable.encode(), b"-c", BOOT.encode(), b"pin", bad], cwd=self.repo,
+        done = subprocess.run([sys.executable.encode(), b"-S", b"-c", BOOT.encode(), b"pin", bad], cwd=self.repo,
                               env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.assertEqual(done.returncode, 2, done.stderr)
         self.assertEqual(json.loads(done.stdout)["error"]["code"], "E_INVALID_INPUT")
@@ -2612,7 +2616,7 @@ class TestContextBudget(unittest.TestCase):
 
 class TestAgentsLeftRunning(unittest.TestCase):
     def start(self):
-        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(60)"], start_new_session=True)
         self.addCleanup(proc.wait)
         self.addCleanup(lambda: proc.poll() is None and proc.kill())
         return proc
@@ -2815,7 +2819,7 @@ class TestQueueRules(DeliveryCase):
         self.ended_session()
         env = dict(self.env, PINBOX_IDLE_MS="800", PINBOX_WEBHOOK_URL="http://127.0.0.1:%d/hook" % closed_port(),
                    PINBOX_WEBHOOK_SECRET="s")
-        done = subprocess.run([sys.executable, "-c", TWO_HUBS, HERE, self.repo], env=env, cwd=self.repo,
+        done = subprocess.run([sys.executable, "-S", "-c", TWO_HUBS, HERE, self.repo], env=env, cwd=self.repo,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
         self.assertEqual(done.returncode, 0, done.stderr)
         [(attempts, error)] = self.sql("SELECT attempts, last_error FROM deliveries WHERE status != 'skipped'")
@@ -2898,7 +2902,7 @@ class TestClockSteps(DeliveryCase):
         clock = os.path.join(self.tmp, "clock")
         boot = CLOCK_BOOT % (HERE, clock)
         self.receiver("once-500")
-        self.start_hub(command=(sys.executable, "-c", boot))
+        self.start_hub(command=(sys.executable, "-S", "-c", boot))
         self.ended_session()
         before = self.ok("session", "register", "--agent", "codex", "--key", "before", "--cwd", self.repo, boot=boot)
         first = self.ok("pin", "made before the step", boot=boot)
@@ -3402,7 +3406,7 @@ class TestInbox(HookCase):
         self.assertEqual(self.ok("agent", "inbox", self.a, "--wait", "--timeout", "5000", env=self.as_(self.b))
                          ["messages"][0]["text"], "for a")
         # A post from another process wakes a parked reader.
-        waiter = subprocess.Popen([sys.executable, "-c", BOOT, "agent", "inbox", "--wait", "--timeout", "20000"],
+        waiter = subprocess.Popen([*PINBOX, "agent", "inbox", "--wait", "--timeout", "20000"],
                                   cwd=self.repo, env=self.as_(self.b), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.wait_parked(self.b)
         self.assertTrue([s for s in self.ok("agent", "ls") if s["id"] == self.b][0]["inbox"]["parked"])
@@ -3412,7 +3416,7 @@ class TestInbox(HookCase):
         self.assertIn("wake up", [m["text"] for m in json.loads(out)["data"]["messages"]])
         # The session disappears while a reader waits: exit 3.
         self.ok("agent", "inbox", env=self.as_(self.a))  # nothing unseen left
-        waiter = subprocess.Popen([sys.executable, "-c", BOOT, "agent", "inbox", "--wait", "--timeout", "20000"],
+        waiter = subprocess.Popen([*PINBOX, "agent", "inbox", "--wait", "--timeout", "20000"],
                                   cwd=self.repo, env=self.as_(self.a), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.wait_parked(self.a)
         self.ok("session", "forget", self.a)
@@ -3425,14 +3429,14 @@ class TestInbox(HookCase):
                    >= count, 10, "%d reader(s) parked on %s" % (count, session))
 
     def test_a_wait_cut_short_exits_2(self):
-        waiter = subprocess.Popen([sys.executable, "-c", BOOT, "agent", "inbox", "--wait", "--timeout", "20000"],
+        waiter = subprocess.Popen([*PINBOX, "agent", "inbox", "--wait", "--timeout", "20000"],
                                   cwd=self.repo, env=self.as_(self.b), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.wait_parked(self.b)
         waiter.send_signal(signal.SIGTERM)
         out, err = waiter.communicate(timeout=20)
         self.assertEqual(waiter.returncode, 2, err)
         self.assertEqual(json.loads(out)["error"]["message"], "the wait was cut short")
-        waiter = subprocess.Popen([sys.executable, "-c", BOOT, "agent", "inbox", "--wait", "--timeout", "20000"],
+        waiter = subprocess.Popen([*PINBOX, "agent", "inbox", "--wait", "--timeout", "20000"],
                                   cwd=self.repo, env=self.as_(self.b), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.wait_parked(self.b)
         shutil.rmtree(os.path.join(self.repo, ".pinbox"))  # the store goes away
@@ -3506,10 +3510,10 @@ class TestInbox(HookCase):
         latencies = []
         trials = 48
         for i in range(trials):
-            waiter = subprocess.Popen([sys.executable, "-c", BOOT, "agent", "inbox", "--wait", "--timeout", "20000"],
+            waiter = subprocess.Popen([*PINBOX, "agent", "inbox", "--wait", "--timeout", "20000"],
                                       cwd=self.repo, env=self.as_(self.b), stdout=subprocess.PIPE)
             self.wait_parked(self.b)
-            poster = subprocess.Popen([sys.executable, "-c", BOOT, "agent", "post", self.b, "ping %d" % i],
+            poster = subprocess.Popen([*PINBOX, "agent", "post", self.b, "ping %d" % i],
                                       cwd=self.repo, env=self.env, stdout=subprocess.PIPE)
             poster.communicate(timeout=20)
             posted = time.monotonic()
@@ -3586,7 +3590,7 @@ class TestInboxOverHttp(HubCase):
         self.start_hub()
         self.assertEqual([m["text"] for m in self.call("GET", "/sessions/%s/inbox" % a)["data"]["messages"]], ["kept"])
         self.stop_hub(self.proc)
-        proc = subprocess.Popen([sys.executable, SCRIPT, "serve", "--inbox-ephemeral"], cwd=self.repo, env=self.env,
+        proc = subprocess.Popen([*PINBOX, "serve", "--inbox-ephemeral"], cwd=self.repo, env=self.env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.addCleanup(self.stop_hub, proc)
         hub = self.wait_hub_json(lambda data: data["pid"] == proc.pid)
@@ -4004,7 +4008,7 @@ class Machine:
 
     def serve(self, **env):
         """Starts this machine's hub (stopped after the test) and waits until it listens."""
-        hub = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=self.repo,
+        hub = subprocess.Popen([*PINBOX, "serve"], cwd=self.repo,
                                env=dict(self.env, PINBOX_IDLE_MS="60000", **env),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.case.addCleanup(hub.wait)
@@ -4433,7 +4437,7 @@ class TestSync(SyncCase):
                     machine.run("reopen", target["id"])
             order = rng.choice([(a,), (b,), (a, b), (b, a), ("both",)])
             if order == ("both",):  # both sync in the same instant
-                procs = [subprocess.Popen([sys.executable, "-c", BOOT, "sync"], cwd=m.repo, env=m.env,
+                procs = [subprocess.Popen([*PINBOX, "sync"], cwd=m.repo, env=m.env,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for m in (a, b)]
                 self.assertEqual([p.wait(timeout=60) for p in procs], [0, 0])
             else:
@@ -4483,7 +4487,7 @@ class TestSync(SyncCase):
             known = machine.ok("list")
             machine.ok("reply", rng.choice(known)["id"], "reply %d" % round_)
             replies += 1
-            proc = subprocess.Popen([sys.executable, "-c", BOOT, "sync"], cwd=machine.repo, env=machine.env,
+            proc = subprocess.Popen([*PINBOX, "sync"], cwd=machine.repo, env=machine.env,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             before = (len(machine.sql("SELECT 1 FROM sync_events")), self.remote_refs("refs/pinbox/"))
             time.sleep(rng.uniform(0.05, span * 1.3))
@@ -5064,7 +5068,7 @@ class TestSync(SyncCase):
         marker = "%d.%d" % (os.getpid(), int(time.time()))  # a hanging "ssh" that names itself
         # As a terminal starts it: Ctrl-C not ignored (a suite run in the background ignores it, and
         # so would every process it starts).
-        proc = subprocess.Popen([sys.executable, "-c", BOOT, "sync"], cwd=a.repo, stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen([*PINBOX, "sync"], cwd=a.repo, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, env=dict(a.env, GIT_SSH_COMMAND="sleep 300 %s #" % marker),
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
@@ -5120,7 +5124,7 @@ class TestSync(SyncCase):
         self.assertEqual(a.sql("PRAGMA integrity_check"), [("ok",)])
         lonely = os.path.join(self.tmp, "lonely")
         git(self.tmp, "init", "-q", lonely)
-        none = subprocess.run([sys.executable, "-c", BOOT, "sync", "--json"], cwd=lonely, env=a.env,
+        none = subprocess.run([*PINBOX, "sync", "--json"], cwd=lonely, env=a.env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
         self.assertEqual(none.returncode, 14)
         self.assertIn("no git remote", json.loads(none.stdout)["error"]["message"])
@@ -6357,7 +6361,7 @@ class TestHubApi(HubCase):
         eventually(lambda: self.open_fds() >= 500, 20, "the hub holding the 500 connections open")
         # The writers are processes of their own: threads here would share this process's
         # interpreter lock with the /health probe and add their waits to its timings.
-        writers = [subprocess.Popen([sys.executable, "-c", HTTP_WRITER, str(self.port), self.token,
+        writers = [subprocess.Popen([sys.executable, "-S", "-c", HTTP_WRITER, str(self.port), self.token,
                                      "/pins" if i % 2 else "/pins/%s/thread" % pin], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE) for i in range(4)]
         # Their interpreters start on the same two cores: timed once each has written.
@@ -6572,7 +6576,7 @@ class TestHubLive(HubCase):
         for i in range(40):  # written before the hub starts: a stream from early on catches up from the store
             self.pin("before %d" % i)
         self.start_hub()
-        writer = subprocess.Popen([sys.executable, "-c", BOOT.replace("pinbox.main()", (
+        writer = subprocess.Popen([sys.executable, "-S", "-c", BOOT.replace("pinbox.main()", (
             "import contextlib, io\n"
             "for i in range(150):\n"
             "    with contextlib.redirect_stdout(io.StringIO()):\n"
@@ -7507,7 +7511,7 @@ class TestSecurity(DeliveryCase):
         self.addCleanup(os.umask, old)
         self.start_hub()
         sid = self.ok("session", "register", "--agent", "codex", "--key", "waiter")["id"]
-        waiter = subprocess.Popen([sys.executable, "-c", BOOT, "agent", "inbox", "--wait", "--timeout", "20000"],
+        waiter = subprocess.Popen([*PINBOX, "agent", "inbox", "--wait", "--timeout", "20000"],
                                   cwd=self.repo, env=dict(self.env, PINBOX_SESSION=sid), stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE)
         self.addCleanup(waiter.wait)
@@ -8512,7 +8516,7 @@ class TestHubState(HubCase):
 class TestStartingHubs(HubCase):
     def test_two_hubs_started_at_once_leave_one(self):
         self.stop_hub(self.proc)
-        procs = [subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=self.repo, env=self.env,
+        procs = [subprocess.Popen([*PINBOX, "serve"], cwd=self.repo, env=self.env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
         for proc in procs:
             self.addCleanup(self.stop_hub, proc)
@@ -8652,7 +8656,7 @@ class TestHubLifecycle(HubCase):
     def test_stop_ends_this_projects_hub_and_all_ends_every_hub_of_yours(self):
         other = os.path.join(self.tmp, "other")
         git(self.tmp, "init", "-q", other)
-        second = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=other, env=dict(self.env, PINBOX_IDLE_MS="60000"),
+        second = subprocess.Popen([*PINBOX, "serve"], cwd=other, env=dict(self.env, PINBOX_IDLE_MS="60000"),
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.addCleanup(self.stop_hub, second)
         self.wait_hub_json(lambda data: True)  # (this project's)
@@ -8698,7 +8702,7 @@ class TestHubLifecycle(HubCase):
         # (2.5 s), idles out: this one has had more than its 1.5 s without a request.
         other = os.path.join(self.tmp, "other")
         git(self.tmp, "init", "-q", other)
-        witness = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=other, env=dict(self.env, PINBOX_IDLE_MS="2500"),
+        witness = subprocess.Popen([*PINBOX, "serve"], cwd=other, env=dict(self.env, PINBOX_IDLE_MS="2500"),
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.addCleanup(self.stop_hub, witness)
         self.assertEqual(witness.wait(timeout=30), 0)
@@ -8713,7 +8717,7 @@ class TestHubLifecycle(HubCase):
         hub_json = os.path.join(self.state, "hub.json")
         env = dict(self.env, PINBOX_IDLE_MS=self.IDLE_MS)
         for _ in range(6):
-            proc = subprocess.Popen([sys.executable, SCRIPT, "serve"], cwd=self.repo, env=env,
+            proc = subprocess.Popen([*PINBOX, "serve"], cwd=self.repo, env=env,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self.addCleanup(self.stop_hub, proc)
             deadline = time.monotonic() + 10  # hang guard
@@ -10929,7 +10933,7 @@ class TestCommandLine(PinboxCase):
         session = self.ok("session", "register", "--agent", "claude", "--key", "k", "--cwd", self.repo)
         before = {table: self.sql("SELECT COUNT(*) FROM %s" % table)[0][0]
                   for table in ("pins", "thread_messages", "events")}
-        done = subprocess.run([sys.executable, "-c", CLI_FUZZ_WORKER, HERE, str(seed), str(count),
+        done = subprocess.run([sys.executable, "-S", "-c", CLI_FUZZ_WORKER, HERE, str(seed), str(count),
                                pin["id"], reply["id"], session["id"]], cwd=self.repo, env=self.env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=600)
         self.assertEqual(done.returncode, 0, done.stderr.decode()[-3000:])
@@ -10964,7 +10968,7 @@ class TestCommandLine(PinboxCase):
             read, write = os.pipe()
             os.close(read)  # the reader has gone: every write is EPIPE
             try:
-                done = subprocess.run([sys.executable, "-c", BOOT] + list(args), cwd=self.repo, env=self.env,
+                done = subprocess.run(list(PINBOX) + list(args), cwd=self.repo, env=self.env,
                                       stdin=subprocess.DEVNULL, stdout=write, stderr=subprocess.PIPE, timeout=60)
             finally:
                 os.close(write)
@@ -11014,7 +11018,7 @@ class TestCommandLine(PinboxCase):
             self.assertEqual(handle.readline(), "#!/bin/sh\n")  # see TestTheFileAsACommand
         done = subprocess.run([SCRIPT, "--version"], stdout=subprocess.PIPE, env=self.env, cwd=self.repo)
         self.assertEqual(done.stdout.decode().strip(), pinbox.VERSION)
-        quiet = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, %r); import pinbox" % HERE],
+        quiet = subprocess.run([sys.executable, "-S", "-c", "import sys; sys.path.insert(0, %r); import pinbox" % HERE],
                                cwd=self.repo, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.assertEqual((quiet.returncode, quiet.stdout, quiet.stderr), (0, b"", b""))
         self.assertFalse(os.path.exists(os.path.join(self.repo, ".pinbox")))
