@@ -348,6 +348,14 @@ def bench_forms(runs, workdir):
             repos[name] = (path, json.load(handle)["hooks"]["UserPromptSubmit"][0]["hooks"][0]["command"])
     repo, team = repos["installed"]
     small = repos["small"][0]
+
+    def own_copy(name):
+        """A copy of the filled project for one hook form: a machine runs one form, and
+        the prompt context a form keeps names the pinbox file that made it."""
+        copy = os.path.join(workdir, name)
+        shutil.copytree(repo, copy, symlinks=True)
+        return copy
+    launcher_repo, dropped_repo, zip_repo = own_copy("launcher-form"), own_copy("dropped-form"), own_copy("zip-form")
     on_path_dropped = dict(env, PATH=dropped + os.pathsep + env["PATH"].split(os.pathsep, 1)[1])
     floor = (["sh", "-c", shlex.join(FLOOR)], repo, env, b"")
     lists = [("floor: python3 -I -S -c pass", floor),
@@ -367,13 +375,14 @@ def bench_forms(runs, workdir):
     inject = ["session", "inject", "--hook", "--agent", "claude"]
     hooks = [("prompt hook: this machine's form (settings.local.json)",
               (["sh", "-c", pinbox.agent_hook_command("claude", "inject")], repo, env, hook_payload(repo))),
-             ("prompt hook: the team's form, the launcher on PATH", (["sh", "-c", team], repo, env, hook_payload(repo))),
+             ("prompt hook: the team's form, the launcher on PATH",
+              (["sh", "-c", team], launcher_repo, env, hook_payload(launcher_repo))),
              ("prompt hook: the team's form, the file dropped into PATH",
-              (["sh", "-c", team], repo, on_path_dropped, hook_payload(repo))),
+              (["sh", "-c", team], dropped_repo, on_path_dropped, hook_payload(dropped_repo))),
              ("prompt hook: the team's form, a vendored copy",
               (["sh", "-c", repos["vendored"][1]], repos["vendored"][0], env, hook_payload(repos["vendored"][0]))),
              ("prompt hook: a zipapp, built as README says",
-              ([sys.executable, "-I", "-S", zipped] + inject, repo, env, hook_payload(repo)))]
+              ([sys.executable, "-I", "-S", zipped] + inject, zip_repo, env, hook_payload(zip_repo)))]
     forms = lists + hooks
     for name, (command, cwd, form_env, stdin) in forms:  # warm: bytecode written, the interpreter recorded
         done = subprocess.run(command, cwd=cwd, env=form_env, input=stdin, stdout=subprocess.PIPE,
