@@ -852,9 +852,11 @@ def store_error(path, exc):
             os.access(path, os.W_OK) and os.access(os.path.dirname(path), os.W_OK)):
         text += " (the file or its folder is read-only)"  # SQLite cannot tell why
     for words, what, hint in ((("locked", "busy"), "busy", "another process holds %s; retry in a moment"),
-                              (("readonly", "read-only"), "read-only", "make %s and its folder writable"),
-                              (("disk is full",), "on a full disk", "free some space on the disk that holds %s")):
-        if any(word in text for word in words):
+                              (("readonly", "read-only", "permission denied"), "read-only",
+                               "make %s and its folder writable"),
+                              (("disk is full", "no space left"), "on a full disk",
+                               "free some space on the disk that holds %s")):
+        if any(word in text.lower() for word in words):
             err = PinboxError("E_INTERNAL", "the store is %s: %s" % (what, text), hint % path)
             err.retryable = True
             return err
@@ -6673,7 +6675,10 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
     import threading
     folder, hub_json, token_path, port_path, lock_path, server_json = hub_files(root)
     make_store_folder(folder)
-    lock = open(lock_path, "a")  # one hub per store: the lock is held while it serves
+    try:
+        lock = open(lock_path, "a")  # one hub per store: the lock is held while it serves
+    except OSError as exc:  # (a read-only .pinbox/: said as the store's own failures are)
+        raise store_error(os.path.join(folder, "pinbox.db"), exc)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # novermin (flags, not a type union)
     except OSError:
