@@ -1250,7 +1250,6 @@ CONFIDENCES = ("exact", "near", "unverified")
 SOURCE = {"file": ("string", False), "line": ("integer", False), "column": ("integer", False),
           "via": (("enum", ("plugin", "framework", "none")), False), "framework": (("enum", FRAMEWORKS), False),
           "confidence": (("enum", CONFIDENCES), False), "components": (("list", "string"), False),
-          "why": ("string", False),
           "frame": ({"url": ("url", True), "line": ("integer", True), "column": ("integer", True)}, False)}
 TARGET_BASE = {
     "url": ("url", False), "selector": ("string", False), "tag": ("string", False), "rect": (RECT, False),
@@ -2367,7 +2366,7 @@ def source_words(source):
     chain = source.get("components") or []
     within = ", in %s" % " < ".join(chain[:3]) if chain else ""
     if source.get("file"):  # (one named by hand, `pin --source`, has no confidence)
-        how = ", ".join(filter(None, (source.get("confidence"), source.get("why"), within[2:])))
+        how = ", ".join(filter(None, (source.get("confidence"), within[2:])))
         return "source %s%s" % (source_ref(source), " (%s)" % how if how else "")
     if chain:
         return "source not found in this checkout (%s)" % within[2:]
@@ -4558,63 +4557,35 @@ def file_lines(root, rel):
         return []
 
 
-def place_element(lines, target, line=None, template_only=False):
-    """Where the page's element is in a checkout file: (1-based line or None, sure, why
-    not sure). A line given (by the framework, a source map, an attribute, a teammate)
-    stands when it, or a line beside it (then named instead), opens a tag of the
-    element's name that agrees with what the page saw (its id, its text, where both say). Else the file (a Vue file's
-    <template>) is searched: the one opening tag that fits, or the one that fits best, is
-    sure; several alike name the first, unsure; none names no line."""
+def line_in_template(lines, target):
+    """The 1-based line of the element's tag in a Vue file's <template>, and whether it
+    is the only one that fits (Vue's dev build names the component's file, not the line)."""
     import re
     tag = target.get("tag") or ""
-    start, end = 0, len(lines)
-    if template_only:
-        starts = [i for i, text in enumerate(lines) if re.match(r"\s*<template\b", text)]
-        if not starts:
-            return None, False, "no <template> in this file"
-        start = starts[0]
-        end = max((i for i, text in enumerate(lines) if "</template>" in text), default=len(lines))
-    if not re.fullmatch(r"[a-z][a-z0-9-]*", tag):
-        return line, False, "the page named no tag to look for"
-    opening = re.compile(r"<%s(?=[\s>/]|$)" % tag)  # (case kept: JSX's <Button> is a component, not a <button>)
-    found = [i for i in range(start, end) if opening.search(lines[i])]
+    starts = [i for i, line in enumerate(lines) if re.match(r"\s*<template\b", line)]
+    if not tag or not starts:
+        return None, False
+    end = max((i for i, line in enumerate(lines) if "</template>" in line), default=len(lines))
+    opening = re.compile(r"<%s(?=[\s>/]|$)" % re.escape(tag), re.I)
+    found = [i for i in range(starts[0], end) if opening.search(lines[i])]
     selector = target.get("selector") or ""
     ident = selector[1:] if re.fullmatch(r"#[\w-]+", selector) else None
     text = ((target.get("context") or {}).get("nearbyText") or target.get("name") or "")[:40].strip()
-    own = (target.get("name") or "")[:80].strip().lower()  # its accessible name: its own text, for a button
     classes = (target.get("context") or {}).get("classes") or []
 
-    def read(i):
-        """(the tag's own attributes, to its first ">"; the words right after it)."""
+    def score(i):
+        # The tag's own attributes (to its first ">") and the text right after it.
         rest = "\n".join(lines[i:i + 8])[opening.search(lines[i]).start():]
         attributes, _, after = rest.partition(">")
-        return attributes, " ".join(after.split("<", 1)[0].split())
-
-    def agrees(i):
-        attributes, words = read(i)
-        named = re.search(r"\bid=[\"']([\w-]+)[\"']", attributes)
-        if ident and named and named.group(1) != ident:
-            return False
-        words = "" if re.search(r"[{}]", words) else words.lower()  # ({t('buy')} says nothing of the text)
-        return not (own and words and words not in own and own not in words)
-
-    def score(i):
-        attributes, words = read(i)
+        words = " ".join(after.split("<", 1)[0].split())
         return (3 if ident and re.search(r"\bid=[\"']%s[\"']" % re.escape(ident), attributes) else 0) + \
-            (2 if text and words and (text in words or words in text) else 0) + \
+            (2 if text and (text in words or words and words in text) else 0) + \
             sum(1 for c in classes if re.search(r"(?<![\w-])%s(?![\w-])" % re.escape(c), attributes))
-    beside = sorted((abs(i + 1 - line), i) for i in found if abs(i + 1 - line) <= 1 and agrees(i)) if line else []
-    if beside:
-        return beside[0][1] + 1, True, None  # (the line the tag opens on: the given one when it does)
-    fitting = [i for i in found if agrees(i)]
-    if not fitting:
-        return None, False, "no <%s> in %s that fits what the page saw" % (tag, "its template" if template_only
-                                                                            else "this file")
-    scores = [score(i) for i in fitting]
-    best = [i for i, s in zip(fitting, scores) if s == max(scores)]
-    if len(fitting) == 1 or (max(scores) > 0 and len(best) == 1):
-        return best[0] + 1, True, None
-    return best[0] + 1, False, "%d <%s> elements in this file fit; the first is named" % (len(best), tag)
+    if not found:
+        return None, False
+    scores = [score(i) for i in found]
+    best = [i for i, s in zip(found, scores) if s == max(scores)]
+    return best[0] + 1, len(found) == 1 or (max(scores) > 0 and len(best) == 1)
 
 
 def locate_source(root, target, map_position):
@@ -4638,14 +4609,16 @@ def locate_source(root, target, map_position):
         return ordered({"framework": source.get("framework"), "components": source["components"],
                         "confidence": "unverified"}, tuple(SOURCE))
     lines = file_lines(root, rel)
-    given = source.get("line") if isinstance(source.get("line"), int) and 1 <= source["line"] <= len(lines) else None
-    line, sure, why = place_element(lines, target, given, template_only=rel.endswith(".vue"))
-    if line != given:
-        source.pop("column", None)  # (the column was the given line's)
-    source.pop("line", None)
-    source.update({"file": rel, "via": source.get("via") or "framework", "confidence": "exact" if sure else "near",
-                   "line": line, "why": why})
-    return ordered({k: v for k, v in source.items() if v is not None}, tuple(SOURCE))
+    sure = True
+    if source.get("line") is None and source.get("framework") == "vue":
+        source["line"], sure = line_in_template(lines, target)
+    inside = source.get("line") is not None and 1 <= source["line"] <= len(lines)
+    if not inside:
+        source.pop("line", None)
+        source.pop("column", None)
+    source.update(file=rel, via=source.get("via") or "framework",
+                  confidence="exact" if inside and sure else "near")
+    return ordered(source, tuple(SOURCE))
 
 
 def map_stack(stack, map_position, root):
@@ -11404,8 +11377,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     if (!ref) return null;
     const chain = (source.components || []).join(' < ');
     return h('div', { class: 'note', 'data-pinbox': 'source' }, h('code', null, ref),
-      ' ' + (source.confidence || 'unverified') + (source.why ? ': ' + source.why : '') +
-      (chain ? ' ' + DOT + ' ' + chain : '') + ' ',
+      ' ' + (source.confidence || 'unverified') + (chain ? ' ' + DOT + ' ' + chain : '') + ' ',
       h('button', { type: 'button', class: 'link', 'data-pinbox': 'copy-source', title: 'Copy ' + ref,
         onclick: () => copyText(ref, 'Copied ' + ref) }, 'Copy'));
   }
