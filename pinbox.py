@@ -1245,11 +1245,12 @@ RECT = {"x": ("number", True), "y": ("number", True), "width": ("number", True),
 # Where the element comes from: what the page knew (a file and line its framework
 # recorded, or `frame`, a position in a served module for the hub to map through the
 # module's source map), made by the hub into a path of this checkout and a confidence.
-FRAMEWORKS = ("react", "vue", "svelte", "attribute")
+FRAMEWORKS = ("react", "vue", "svelte", "preact", "angular", "solid", "attribute")
 CONFIDENCES = ("exact", "near", "unverified")
 SOURCE = {"file": ("string", False), "line": ("integer", False), "column": ("integer", False),
-          "via": (("enum", ("plugin", "framework", "none")), False), "framework": (("enum", FRAMEWORKS), False),
+          "via": (("enum", ("plugin", "framework", "none", "unknown")), False), "framework": (("enum", FRAMEWORKS), False),
           "confidence": (("enum", CONFIDENCES), False), "components": (("list", "string"), False),
+          "why": ("string", False),
           "frame": ({"url": ("url", True), "line": ("integer", True), "column": ("integer", True)}, False)}
 TARGET_BASE = {
     "url": ("url", False), "selector": ("string", False), "tag": ("string", False), "rect": (RECT, False),
@@ -1258,7 +1259,8 @@ TARGET_BASE = {
     "source": (SOURCE, False),
     "context": ({"classes": (("list", "string"), False), "styles": (("map", "string"), False),
                  "aria": (("map", "string"), False), "nearbyText": ("string", False),
-                 "selectedText": ("string", False), "textRuns": (("list", "string"), False)}, False)}
+                 "selectedText": ("string", False), "textRuns": (("list", "string"), False),
+                 "repeated": ("boolean", False)}, False)}
 TARGET = dict(TARGET_BASE, targets=(("list", TARGET_BASE), False))
 ENV = {"viewport": ({"w": ("number", True), "h": ("number", True), "dpr": ("number", True)}, False),
        "browser": ("string", False), "os": ("string", False),
@@ -1276,7 +1278,8 @@ CONSOLE_ENTRY = {"level": (("enum", ("error", "warn", "exception", "rejection"))
                  "stack": ("string", False), "at": ("number", False)}
 REQUEST_ENTRY = {"method": ("string", True), "url": ("string", True), "status": (("range", (0, 999)), True),
                  "ms": ("number", False), "kind": (("enum", ("fetch", "xhr", "resource", "proxy")), True)}
-EVIDENCE = {"console": (("list", CONSOLE_ENTRY), False), "requests": (("list", REQUEST_ENTRY), False)}
+EVIDENCE = {"console": (("list", CONSOLE_ENTRY), False), "requests": (("list", REQUEST_ENTRY), False),
+            "load": ("string", False)}  # (the page load's id, for the hub only: never kept)
 EVIDENCE_LIMIT = 64 * 1024
 PIN_INPUT = {"text": ("text", True), "kind": (("enum", ("note", "move")), False),
              "intent": (("enum", PIN_INTENTS), False), "target": (TARGET, False),
@@ -2366,11 +2369,13 @@ def source_words(source):
     chain = source.get("components") or []
     within = ", in %s" % " < ".join(chain[:3]) if chain else ""
     if source.get("file"):  # (one named by hand, `pin --source`, has no confidence)
-        how = ", ".join(filter(None, (source.get("confidence"), within[2:])))
+        how = ", ".join(filter(None, (source.get("confidence"), source.get("why"), within[2:])))
         return "source %s%s" % (source_ref(source), " (%s)" % how if how else "")
-    if chain:
-        return "source not found in this checkout (%s)" % within[2:]
-    return "source none: no component rendered this element" if source.get("via") == "none" else ""
+    if source.get("via") == "none":
+        return "source none: no component rendered this element"
+    if source.get("why"):
+        return "source unknown: %s%s" % (source["why"], within)
+    return "source not found in this checkout (%s)" % within[2:] if chain else ""
 
 
 def evidence_words(evidence, home=""):
@@ -3487,6 +3492,369 @@ def answer_words(message):
 
 
 # ============================================================================
+# Evidence: where an element comes from, in this checkout
+# ============================================================================
+
+# The toolbar sends what a dev build tells about an element: the file and line its
+# framework recorded (React 17/18, Svelte 5, an inspector's attribute), the component's
+# file (Vue 3), or a position in the served module (React 19's owner stack). The hub
+# makes that a path of this checkout: positions through the module's source map,
+# fetched from the app the person opened (never from anywhere else), and every file
+# checked to be in the repository with the line inside it; how sure it is goes along.
+
+SOURCE_MAP_LIMIT = 16 * 1024 * 1024  # the largest module or map fetched from the app
+BASE64_DIGITS = {c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")}
+STACK_FRAME = r"(https?://[^\s()'\"<>]+?):(\d{1,9}):(\d{1,9})"  # where a stack names a position in a module
+
+
+def segment_values(segment):
+    """The whole numbers of one segment of `mappings`, or KeyError: not Base64 VLQ."""
+    values, value, shift = [], 0, 0
+    for char in segment:
+        digit = BASE64_DIGITS[char]
+        value += (digit & 31) << shift
+        if digit & 32:
+            shift += 5
+            continue
+        values.append(-(value >> 1) if value & 1 else value >> 1)
+        value = shift = 0
+    return tuple(values)
+
+
+class SourceMap:
+    """A version 3 source map, its `mappings` decoded only as far as asked: for one
+    position of a 2 MB map, the rows before it are only summed, and its own decoded."""
+
+    def __init__(self, raw, base):
+        from urllib.parse import urljoin
+        data = json_loads(raw)
+        if not isinstance(data, dict) or data.get("version") != 3 or not isinstance(data.get("mappings"), str):
+            raise ValueError("not a version 3 source map")
+        root = data.get("sourceRoot") if isinstance(data.get("sourceRoot"), str) else ""
+        root = root + "/" if root and not root.endswith("/") else root
+        self.sources = [urljoin(base, root + s) if isinstance(s, str) else "" for s in data.get("sources") or ()]
+        self.rows = data["mappings"].split(";")
+        self.starts = []  # each row's (source, line, column) carried over from the rows before it
+        self.state = (0, 0, 0)
+        self.known = {}  # a segment's text -> its numbers (a map repeats its segments)
+
+    def values(self, row):
+        known = self.known
+        for segment in row.split(","):
+            values = known.get(segment)
+            if values is None:
+                values = known[segment] = segment_values(segment)
+            yield values
+
+    def row(self, index):
+        """The segments of a 0-based generated row: [(column, source, line, column)],
+        all absolute; [] past the end, or from a row that is not Base64 VLQ on."""
+        try:
+            while len(self.starts) <= index < len(self.rows):
+                self.starts.append(self.state)
+                source, line, column = self.state
+                for values in self.values(self.rows[len(self.starts) - 1]):
+                    if len(values) >= 4:
+                        source, line, column = source + values[1], line + values[2], column + values[3]
+                self.state = (source, line, column)
+            if not 0 <= index < len(self.starts):
+                return []
+            segments, at, (source, line, column) = [], 0, self.starts[index]
+            for values in self.values(self.rows[index]):
+                if values:
+                    at += values[0]
+                if len(values) >= 4:
+                    source, line, column = source + values[1], line + values[2], column + values[3]
+                    segments.append((at, source, line, column))
+            return segments
+        except KeyError:  # not Base64 VLQ: nothing from here on maps
+            self.rows = self.rows[:len(self.starts) - 1]
+            del self.starts[len(self.rows):]
+            return []
+
+    def original(self, line, column):
+        """(source, line, column) of a 1-based generated position, or None."""
+        import bisect
+        segments = self.row(line - 1)
+        at = bisect.bisect_right([s[0] for s in segments], column - 1) - 1
+        if not segments or not 0 <= segments[max(at, 0)][1] < len(self.sources):
+            return None
+        found = segments[max(at, 0)]
+        return self.sources[found[1]], found[2] + 1, found[3] + 1
+
+
+def parse_upstream(raw):
+    """(scheme, host, port) of the app `pinbox open` is given: `http://localhost:5173`,
+    `localhost:5173` or `:3000` (this machine). http(s) only, a host, no credentials."""
+    from urllib.parse import urlsplit
+    text = (raw or "").strip()
+    if text.startswith(":"):
+        text = "localhost" + text
+    if "://" not in text:
+        text = "http://" + text
+    try:
+        split = urlsplit(text)
+        port = split.port
+    except ValueError:
+        split = port = None
+    if split is None or split.scheme not in ("http", "https") or not split.hostname or split.username:
+        raise invalid("%r is not the address of a web app" % raw,
+                      "give its URL, e.g. `pinbox open http://localhost:5173` (or just :5173)")
+    return split.scheme, split.hostname, port or (443 if split.scheme == "https" else 80)
+
+
+def origin_of(scheme, host, port):
+    default = {"http": 80, "https": 443}[scheme]
+    host = "[%s]" % host if ":" in host else host
+    return "%s://%s" % (scheme, host) + ("" if port == default else ":%d" % port)
+
+
+def fetch_from_app(app, path):
+    """The text a GET of `path` gets from the app (scheme://host:port the person opened
+    with `pinbox open`), or None: no answer, not a 200, or over SOURCE_MAP_LIMIT."""
+    import http.client
+    scheme, host, port = parse_upstream(app)
+    if scheme == "https":
+        import ssl
+        conn = http.client.HTTPSConnection(host, port, timeout=5, context=ssl.create_default_context())
+    else:
+        conn = http.client.HTTPConnection(host, port, timeout=5)
+    try:
+        conn.request("GET", path, headers={"Accept": "*/*", "Accept-Encoding": "identity"})
+        answer = conn.getresponse()
+        body = answer.read(SOURCE_MAP_LIMIT + 1) if answer.status == 200 else b""
+        return body.decode("utf-8", "replace") if 0 < len(body) <= SOURCE_MAP_LIMIT else None
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    finally:
+        conn.close()
+
+
+def source_map_of(app, path, fetch=fetch_from_app):
+    """The source map a module served at `path` names (inline as a data: URL, as Vite
+    serves them, or at a path of the same app), or None."""
+    import base64
+    from urllib.parse import unquote, urljoin, urlsplit
+    code = fetch(app, path)
+    at = code.rfind("sourceMappingURL=") if code else -1
+    if at < 0:
+        return None
+    named = (code[at + len("sourceMappingURL="):].split(None, 1) or [""])[0]
+    try:
+        if named.startswith("data:"):
+            head, _, data = named.partition(",")
+            raw = base64.b64decode(data) if head.endswith(";base64") else unquote(data).encode("utf-8")
+            return SourceMap(raw, app + path)
+        where = urlsplit(urljoin(app + path, named))
+        if where.scheme + "://" + where.netloc != app:
+            return None  # a map elsewhere is not fetched
+        raw = fetch(app, where.path + ("?" + where.query if where.query else ""))
+        return SourceMap(raw.encode("utf-8"), app + where.path) if raw else None
+    except (ValueError, TypeError, AttributeError, KeyError, RecursionError):
+        return None
+
+
+def checkout_path(root, name):
+    """The repository-relative path of the checkout's file `name` means (an absolute path,
+    a path under the app's address, or the end of one), or None: a file outside the
+    repository, a link out of it, a dependency or what git ignores is never source."""
+    from urllib.parse import unquote, urlsplit
+    if not isinstance(name, str) or not name or len(name) > 2000:
+        return None
+    path = unquote(urlsplit(name).path if "://" in name else name.split("?")[0].split("#")[0])
+    path = path[len("/@fs"):] if path.startswith("/@fs/") else path
+    real_root = os.path.realpath(root)
+    parts = [p for p in path.replace("\\", "/").split("/") if p not in ("", ".")]
+    if ".." in parts or "node_modules" in parts:
+        return None
+    absolute = os.path.realpath(path) if os.path.isabs(path) else None
+    candidates = [os.path.relpath(absolute, real_root)] if absolute and absolute.startswith(real_root + os.sep) else []
+    candidates += ["/".join(parts[i:]) for i in range(min(len(parts), 12))]
+    for rel in candidates:
+        full = os.path.realpath(os.path.join(real_root, rel))
+        if full.startswith(real_root + os.sep) and os.path.isfile(full) and \
+                git_output(["check-ignore", "-q", "--no-index", rel], root) is None:
+            return os.path.relpath(full, real_root).replace(os.sep, "/")
+    return None
+
+
+def file_lines(root, rel):
+    """The lines of a checkout file (at most its first 4 MiB)."""
+    try:
+        with open(os.path.join(root, rel), "rb") as handle:
+            return handle.read(4 * 1024 * 1024).decode("utf-8", "replace").split("\n")
+    except OSError:
+        return []
+
+
+def place_element(lines, target, line=None, template_only=False):
+    """Where the page's element is in a checkout file: (1-based line or None, sure, why
+    not sure). A line given (by the framework, a source map, an attribute, a teammate)
+    stands when it, or a line beside it (then named instead), opens a tag of the
+    element's name that agrees with what the page saw (its id, its text, where both say). Else the file (a Vue file's
+    <template>) is searched: the one opening tag that fits, or the one that fits best, is
+    sure; several alike name the first, unsure; none names no line."""
+    import re
+    tag = target.get("tag") or ""
+    start, end = 0, len(lines)
+    if template_only:
+        starts = [i for i, text in enumerate(lines) if re.match(r"\s*<template\b", text)]
+        if not starts:
+            return None, False, "no <template> in this file"
+        start = starts[0]
+        end = max((i for i, text in enumerate(lines) if "</template>" in text), default=len(lines))
+    if not re.fullmatch(r"[a-z][a-z0-9-]*", tag):
+        return line, False, "the page named no tag to look for"
+    opening = re.compile(r"<%s(?=[\s>/]|$)" % tag)  # (case kept: JSX's <Button> is a component, not a <button>)
+    found = [i for i in range(start, end) if opening.search(lines[i])]
+    selector = target.get("selector") or ""
+    ident = selector[1:] if re.fullmatch(r"#[\w-]+", selector) else None
+    text = ((target.get("context") or {}).get("nearbyText") or target.get("name") or "")[:40].strip()
+    own = (target.get("name") or "")[:80].strip().lower()  # its accessible name: its own text, for a button
+    classes = (target.get("context") or {}).get("classes") or []
+    repeated = (target.get("context") or {}).get("repeated")  # among siblings like it: a list's item
+
+    def read(i):
+        """(the tag's own attributes, to its first ">"; the words right after it)."""
+        rest = "\n".join(lines[i:i + 8])[opening.search(lines[i]).start():]
+        attributes, _, after = rest.partition(">")
+        return attributes, " ".join(after.split("<", 1)[0].split())
+
+    def agrees(i):
+        attributes, words = read(i)
+        named = re.search(r"\bid=[\"']([\w-]+)[\"']", attributes)
+        if ident and named and named.group(1) != ident:
+            return False
+        words = "" if re.search(r"[{}]", words) else words.lower()  # ({t('buy')} says nothing of the text)
+        return not (own and words and words not in own and own not in words)
+
+    def score(i):
+        attributes, words = read(i)
+        return (3 if ident and re.search(r"\bid=[\"']%s[\"']" % re.escape(ident), attributes) else 0) + \
+            (2 if text and words and (text in words or words in text) else 0) + \
+            sum(1 for c in classes if re.search(r"(?<![\w-])%s(?![\w-])" % re.escape(c), attributes)) + \
+            (4 if repeated and re.search(r"(?<![\w-])v-for=", attributes) else 0)
+    beside = sorted((abs(i + 1 - line), i) for i in found if abs(i + 1 - line) <= 1 and agrees(i)) if line else []
+    if beside:
+        return beside[0][1] + 1, True, None  # (the line the tag opens on: the given one when it does)
+    fitting = [i for i in found if agrees(i)]
+    if not fitting:
+        return None, False, "no <%s> in %s that fits what the page saw" % (tag, "its template" if template_only
+                                                                            else "this file")
+    scores = [score(i) for i in fitting]
+    best = [i for i, s in zip(fitting, scores) if s == max(scores)]
+    if len(fitting) == 1 or (max(scores) > 0 and len(best) == 1):
+        return best[0] + 1, True, None
+    return best[0] + 1, False, "%d <%s> elements in this file fit; the first is named" % (len(best), tag)
+
+
+FRAMEWORK_NAMES = {"react": "React", "vue": "Vue", "svelte": "Svelte", "preact": "Preact", "angular": "Angular",
+                   "solid": "Solid", "attribute": "The inspector attribute"}
+
+
+def unknown_source(source, frame):
+    """Why no file is named for an element a page sent no usable file for: said by
+    name, never "no component rendered it" (that is only for a framework that says so)."""
+    if source.get("framework") == "solid":
+        return "Solid does not record where elements come from"
+    if frame:
+        return "its place in the module the app served could not be mapped to a file here"
+    if source.get("framework"):
+        return "%s recorded no file for it" % FRAMEWORK_NAMES[source["framework"]]
+    return "no framework pinbox reads runs this page"
+
+
+def angular_template(root, rel, lines):
+    """The checkout path of the template an Angular component's file names
+    (`templateUrl`), or None (an inline template is in the file itself)."""
+    import posixpath
+    import re
+    named = re.search(r"templateUrl\s*:\s*['\"`]([^'\"`]{1,500})['\"`]", "\n".join(lines))
+    return checkout_path(root, posixpath.normpath(posixpath.join(posixpath.dirname(rel), named.group(1)))) \
+        if named else None
+
+
+def locate_source(root, target, map_position):
+    """A target's `source` as kept: a path of this checkout, its line and column, the
+    confidence (exact: the framework or a source map gave the line, or the element is the
+    only one that fits; near: the file is right, the line a best guess or missing;
+    unverified: not found in this checkout), and the component chain. `map_position(url,
+    line, column)` maps a served module's position back through its source map."""
+    source = dict(target.get("source") or {})
+    frame = source.pop("frame", None)
+    if frame and not source.get("file"):
+        mapped = map_position(frame["url"], frame["line"], frame["column"])
+        if mapped:
+            source.update(file=mapped[0], line=mapped[1], column=mapped[2])
+    source["components"] = (source.get("components") or [])[:3] or None
+    if not source.get("file"):
+        if source.get("via") == "none":
+            return ordered(dict(source, confidence=None), tuple(SOURCE))
+        return ordered({k: v for k, v in dict(source, why=unknown_source(source, frame), confidence=None if source.get(
+            "via") == "unknown" else "unverified").items() if v is not None}, tuple(SOURCE))
+    rel = checkout_path(root, source["file"])
+    if rel is None:
+        return ordered({"framework": source.get("framework"), "components": source["components"],
+                        "confidence": "unverified"}, tuple(SOURCE))
+    lines = file_lines(root, rel)
+    template = angular_template(root, rel, lines) if source.get("framework") == "angular" else None
+    if template:  # (an Angular component's element is in the template its class names)
+        rel, lines = template, file_lines(root, template)
+    given = source.get("line") if isinstance(source.get("line"), int) and 1 <= source["line"] <= len(lines) else None
+    line, sure, why = place_element(lines, target, given, template_only=rel.endswith(".vue"))
+    if line != given:
+        source.pop("column", None)  # (the column was the given line's)
+    source.pop("line", None)
+    source.update({"file": rel, "via": source.get("via") or "framework", "confidence": "exact" if sure else "near",
+                   "line": line, "why": why})
+    return ordered({k: v for k, v in source.items() if v is not None}, tuple(SOURCE))
+
+
+def place_sources(root, target, map_position=lambda *where: None):
+    """The target with every source it names checked against this checkout, whoever
+    sent it (a page, a teammate's synced pin): its own and its extra elements' (the
+    first 10; past them none is kept)."""
+    for n, each in enumerate([target] + target.get("targets", [])):
+        if "source" in each and n <= 10:
+            each["source"] = locate_source(root, each, map_position)
+        elif "source" in each:
+            del each["source"]
+    return target
+
+
+def map_stack(stack, map_position, root):
+    """A stack with each frame in a module of the app named as its checkout file
+    (`src/Cart.tsx:41:9`) where its source map says so; other frames as they were."""
+    import re
+    done = {}
+
+    def frame(match):
+        if match.group(0) not in done and len(done) < 40:
+            mapped = map_position(match.group(1), int(match.group(2)), int(match.group(3)))
+            rel = checkout_path(root, mapped[0]) if mapped else None
+            done[match.group(0)] = "%s:%d:%d" % (rel, mapped[1], mapped[2]) if rel else match.group(0)
+        return done.get(match.group(0), match.group(0))
+    return re.sub(STACK_FRAME, frame, stack)
+
+
+def position_mapper(app_for, budget=10.0):
+    """map_position for one pin: each module's map fetched and decoded once, at most 20
+    of them and none after `budget` seconds (a slow app never holds a pin for long).
+    `app_for(url)` is (app, path) for a URL of an app this project opened, else None."""
+    maps, started = {}, time.monotonic()
+
+    def map_position(url, line, column):
+        where = app_for(url)
+        if where is None:
+            return None
+        if where not in maps:
+            fresh = len(maps) < 20 and time.monotonic() - started < budget
+            maps[where] = source_map_of(*where) if fresh else None
+        return maps[where].original(line, column) if maps[where] else None
+    return map_position
+
+
+# ============================================================================
 # Sync: the record in the repository's own git refs
 # ============================================================================
 
@@ -3803,7 +4171,7 @@ def fetched_batches(root, store, remote, device):
                 set_aside.append((SYNC_DEVICE_REFS + owner, sha, None, "a batch over %d bytes" % EVENTS_BLOB_LIMIT, ""))
             events = []
             for raw in (blob or b"").splitlines():
-                event, reason = read_event(raw, owner)
+                event, reason = read_event(raw, owner, root)
                 if reason:
                     set_aside.append((SYNC_DEVICE_REFS + owner, sha, event_id_of(raw), reason,
                                       raw[:2000].decode("utf-8", "replace")))
@@ -3814,9 +4182,11 @@ def fetched_batches(root, store, remote, device):
     return out
 
 
-def read_event(raw, device):
+def read_event(raw, device, root):
     """(event, None) for a line of a batch that is a whole event of `device`; (None,
-    why) for one that is not; (None, None) for a blank line."""
+    why) for one that is not; (None, None) for a blank line. A pin's source lines are
+    checked against this checkout, as a page's are: a teammate's "exact" is not taken
+    on trust (their checkout may differ, or their event lie)."""
     if not raw.strip():
         return None, None
     if len(raw) > EVENT_LINE_LIMIT:
@@ -3826,9 +4196,12 @@ def read_event(raw, device):
     except (UnicodeDecodeError, ValueError) as exc:
         return None, "not an event: %s" % plain(str(exc)[:200])
     try:
-        return check_event(event, device), None
+        event = check_event(event, device)
     except PinboxError as err:
         return None, err.message
+    if event["type"] == "pin.created" and event["data"].get("target"):
+        place_sources(root, event["data"]["target"])
+    return event, None
 
 
 def event_id_of(raw):
@@ -4362,298 +4735,6 @@ def sync_worker(hub, stop):
 
 
 # ============================================================================
-# Evidence: where an element comes from, in this checkout
-# ============================================================================
-
-# The toolbar sends what a dev build tells about an element: the file and line its
-# framework recorded (React 17/18, Svelte 5, an inspector's attribute), the component's
-# file (Vue 3), or a position in the served module (React 19's owner stack). The hub
-# makes that a path of this checkout: positions through the module's source map,
-# fetched from the app the person opened (never from anywhere else), and every file
-# checked to be in the repository with the line inside it; how sure it is goes along.
-
-SOURCE_MAP_LIMIT = 16 * 1024 * 1024  # the largest module or map fetched from the app
-BASE64_DIGITS = {c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")}
-STACK_FRAME = r"(https?://[^\s()'\"<>]+?):(\d{1,9}):(\d{1,9})"  # where a stack names a position in a module
-
-
-def segment_values(segment):
-    """The whole numbers of one segment of `mappings`, or KeyError: not Base64 VLQ."""
-    values, value, shift = [], 0, 0
-    for char in segment:
-        digit = BASE64_DIGITS[char]
-        value += (digit & 31) << shift
-        if digit & 32:
-            shift += 5
-            continue
-        values.append(-(value >> 1) if value & 1 else value >> 1)
-        value = shift = 0
-    return tuple(values)
-
-
-class SourceMap:
-    """A version 3 source map, its `mappings` decoded only as far as asked: for one
-    position of a 2 MB map, the rows before it are only summed, and its own decoded."""
-
-    def __init__(self, raw, base):
-        from urllib.parse import urljoin
-        data = json_loads(raw)
-        if not isinstance(data, dict) or data.get("version") != 3 or not isinstance(data.get("mappings"), str):
-            raise ValueError("not a version 3 source map")
-        root = data.get("sourceRoot") if isinstance(data.get("sourceRoot"), str) else ""
-        root = root + "/" if root and not root.endswith("/") else root
-        self.sources = [urljoin(base, root + s) if isinstance(s, str) else "" for s in data.get("sources") or ()]
-        self.rows = data["mappings"].split(";")
-        self.starts = []  # each row's (source, line, column) carried over from the rows before it
-        self.state = (0, 0, 0)
-        self.known = {}  # a segment's text -> its numbers (a map repeats its segments)
-
-    def values(self, row):
-        known = self.known
-        for segment in row.split(","):
-            values = known.get(segment)
-            if values is None:
-                values = known[segment] = segment_values(segment)
-            yield values
-
-    def row(self, index):
-        """The segments of a 0-based generated row: [(column, source, line, column)],
-        all absolute; [] past the end, or from a row that is not Base64 VLQ on."""
-        try:
-            while len(self.starts) <= index < len(self.rows):
-                self.starts.append(self.state)
-                source, line, column = self.state
-                for values in self.values(self.rows[len(self.starts) - 1]):
-                    if len(values) >= 4:
-                        source, line, column = source + values[1], line + values[2], column + values[3]
-                self.state = (source, line, column)
-            if not 0 <= index < len(self.starts):
-                return []
-            segments, at, (source, line, column) = [], 0, self.starts[index]
-            for values in self.values(self.rows[index]):
-                if values:
-                    at += values[0]
-                if len(values) >= 4:
-                    source, line, column = source + values[1], line + values[2], column + values[3]
-                    segments.append((at, source, line, column))
-            return segments
-        except KeyError:  # not Base64 VLQ: nothing from here on maps
-            self.rows = self.rows[:len(self.starts) - 1]
-            del self.starts[len(self.rows):]
-            return []
-
-    def original(self, line, column):
-        """(source, line, column) of a 1-based generated position, or None."""
-        import bisect
-        segments = self.row(line - 1)
-        at = bisect.bisect_right([s[0] for s in segments], column - 1) - 1
-        if not segments or not 0 <= segments[max(at, 0)][1] < len(self.sources):
-            return None
-        found = segments[max(at, 0)]
-        return self.sources[found[1]], found[2] + 1, found[3] + 1
-
-
-def parse_upstream(raw):
-    """(scheme, host, port) of the app `pinbox open` is given: `http://localhost:5173`,
-    `localhost:5173` or `:3000` (this machine). http(s) only, a host, no credentials."""
-    from urllib.parse import urlsplit
-    text = (raw or "").strip()
-    if text.startswith(":"):
-        text = "localhost" + text
-    if "://" not in text:
-        text = "http://" + text
-    try:
-        split = urlsplit(text)
-        port = split.port
-    except ValueError:
-        split = port = None
-    if split is None or split.scheme not in ("http", "https") or not split.hostname or split.username:
-        raise invalid("%r is not the address of a web app" % raw,
-                      "give its URL, e.g. `pinbox open http://localhost:5173` (or just :5173)")
-    return split.scheme, split.hostname, port or (443 if split.scheme == "https" else 80)
-
-
-def origin_of(scheme, host, port):
-    default = {"http": 80, "https": 443}[scheme]
-    host = "[%s]" % host if ":" in host else host
-    return "%s://%s" % (scheme, host) + ("" if port == default else ":%d" % port)
-
-
-def fetch_from_app(app, path):
-    """The text a GET of `path` gets from the app (scheme://host:port the person opened
-    with `pinbox open`), or None: no answer, not a 200, or over SOURCE_MAP_LIMIT."""
-    import http.client
-    scheme, host, port = parse_upstream(app)
-    if scheme == "https":
-        import ssl
-        conn = http.client.HTTPSConnection(host, port, timeout=5, context=ssl.create_default_context())
-    else:
-        conn = http.client.HTTPConnection(host, port, timeout=5)
-    try:
-        conn.request("GET", path, headers={"Accept": "*/*", "Accept-Encoding": "identity"})
-        answer = conn.getresponse()
-        body = answer.read(SOURCE_MAP_LIMIT + 1) if answer.status == 200 else b""
-        return body.decode("utf-8", "replace") if 0 < len(body) <= SOURCE_MAP_LIMIT else None
-    except (OSError, http.client.HTTPException, ValueError):
-        return None
-    finally:
-        conn.close()
-
-
-def source_map_of(app, path, fetch=fetch_from_app):
-    """The source map a module served at `path` names (inline as a data: URL, as Vite
-    serves them, or at a path of the same app), or None."""
-    import base64
-    from urllib.parse import unquote, urljoin, urlsplit
-    code = fetch(app, path)
-    at = code.rfind("sourceMappingURL=") if code else -1
-    if at < 0:
-        return None
-    named = (code[at + len("sourceMappingURL="):].split(None, 1) or [""])[0]
-    try:
-        if named.startswith("data:"):
-            head, _, data = named.partition(",")
-            raw = base64.b64decode(data) if head.endswith(";base64") else unquote(data).encode("utf-8")
-            return SourceMap(raw, app + path)
-        where = urlsplit(urljoin(app + path, named))
-        if where.scheme + "://" + where.netloc != app:
-            return None  # a map elsewhere is not fetched
-        raw = fetch(app, where.path + ("?" + where.query if where.query else ""))
-        return SourceMap(raw.encode("utf-8"), app + where.path) if raw else None
-    except (ValueError, TypeError, AttributeError, KeyError, RecursionError):
-        return None
-
-
-def checkout_path(root, name):
-    """The repository-relative path of the checkout's file `name` means (an absolute path,
-    a path under the app's address, or the end of one), or None: a file outside the
-    repository, a link out of it, a dependency or what git ignores is never source."""
-    from urllib.parse import unquote, urlsplit
-    if not isinstance(name, str) or not name or len(name) > 2000:
-        return None
-    path = unquote(urlsplit(name).path if "://" in name else name.split("?")[0].split("#")[0])
-    path = path[len("/@fs"):] if path.startswith("/@fs/") else path
-    real_root = os.path.realpath(root)
-    parts = [p for p in path.replace("\\", "/").split("/") if p not in ("", ".")]
-    if ".." in parts or "node_modules" in parts:
-        return None
-    absolute = os.path.realpath(path) if os.path.isabs(path) else None
-    candidates = [os.path.relpath(absolute, real_root)] if absolute and absolute.startswith(real_root + os.sep) else []
-    candidates += ["/".join(parts[i:]) for i in range(min(len(parts), 12))]
-    for rel in candidates:
-        full = os.path.realpath(os.path.join(real_root, rel))
-        if full.startswith(real_root + os.sep) and os.path.isfile(full) and \
-                git_output(["check-ignore", "-q", "--no-index", rel], root) is None:
-            return os.path.relpath(full, real_root).replace(os.sep, "/")
-    return None
-
-
-def file_lines(root, rel):
-    """The lines of a checkout file (at most its first 4 MiB)."""
-    try:
-        with open(os.path.join(root, rel), "rb") as handle:
-            return handle.read(4 * 1024 * 1024).decode("utf-8", "replace").split("\n")
-    except OSError:
-        return []
-
-
-def line_in_template(lines, target):
-    """The 1-based line of the element's tag in a Vue file's <template>, and whether it
-    is the only one that fits (Vue's dev build names the component's file, not the line)."""
-    import re
-    tag = target.get("tag") or ""
-    starts = [i for i, line in enumerate(lines) if re.match(r"\s*<template\b", line)]
-    if not tag or not starts:
-        return None, False
-    end = max((i for i, line in enumerate(lines) if "</template>" in line), default=len(lines))
-    opening = re.compile(r"<%s(?=[\s>/]|$)" % re.escape(tag), re.I)
-    found = [i for i in range(starts[0], end) if opening.search(lines[i])]
-    selector = target.get("selector") or ""
-    ident = selector[1:] if re.fullmatch(r"#[\w-]+", selector) else None
-    text = ((target.get("context") or {}).get("nearbyText") or target.get("name") or "")[:40].strip()
-    classes = (target.get("context") or {}).get("classes") or []
-
-    def score(i):
-        # The tag's own attributes (to its first ">") and the text right after it.
-        rest = "\n".join(lines[i:i + 8])[opening.search(lines[i]).start():]
-        attributes, _, after = rest.partition(">")
-        words = " ".join(after.split("<", 1)[0].split())
-        return (3 if ident and re.search(r"\bid=[\"']%s[\"']" % re.escape(ident), attributes) else 0) + \
-            (2 if text and (text in words or words and words in text) else 0) + \
-            sum(1 for c in classes if re.search(r"(?<![\w-])%s(?![\w-])" % re.escape(c), attributes))
-    if not found:
-        return None, False
-    scores = [score(i) for i in found]
-    best = [i for i, s in zip(found, scores) if s == max(scores)]
-    return best[0] + 1, len(found) == 1 or (max(scores) > 0 and len(best) == 1)
-
-
-def locate_source(root, target, map_position):
-    """A target's `source` as kept: a path of this checkout, its line and column, the
-    confidence (exact: the framework or a source map gave the line, or the element is the
-    only one that fits; near: the file is right, the line a best guess or missing;
-    unverified: not found in this checkout), and the component chain. `map_position(url,
-    line, column)` maps a served module's position back through its source map."""
-    source = dict(target.get("source") or {})
-    frame = source.pop("frame", None)
-    if frame and not source.get("file"):
-        mapped = map_position(frame["url"], frame["line"], frame["column"])
-        if mapped:
-            source.update(file=mapped[0], line=mapped[1], column=mapped[2])
-    source["components"] = (source.get("components") or [])[:3] or None
-    if not source.get("file"):
-        return ordered(dict(source, confidence=None if source.get("via") == "none" else "unverified"),
-                       tuple(SOURCE))
-    rel = checkout_path(root, source["file"])
-    if rel is None:
-        return ordered({"framework": source.get("framework"), "components": source["components"],
-                        "confidence": "unverified"}, tuple(SOURCE))
-    lines = file_lines(root, rel)
-    sure = True
-    if source.get("line") is None and source.get("framework") == "vue":
-        source["line"], sure = line_in_template(lines, target)
-    inside = source.get("line") is not None and 1 <= source["line"] <= len(lines)
-    if not inside:
-        source.pop("line", None)
-        source.pop("column", None)
-    source.update(file=rel, via=source.get("via") or "framework",
-                  confidence="exact" if inside and sure else "near")
-    return ordered(source, tuple(SOURCE))
-
-
-def map_stack(stack, map_position, root):
-    """A stack with each frame in a module of the app named as its checkout file
-    (`src/Cart.tsx:41:9`) where its source map says so; other frames as they were."""
-    import re
-    done = {}
-
-    def frame(match):
-        if match.group(0) not in done and len(done) < 40:
-            mapped = map_position(match.group(1), int(match.group(2)), int(match.group(3)))
-            rel = checkout_path(root, mapped[0]) if mapped else None
-            done[match.group(0)] = "%s:%d:%d" % (rel, mapped[1], mapped[2]) if rel else match.group(0)
-        return done.get(match.group(0), match.group(0))
-    return re.sub(STACK_FRAME, frame, stack)
-
-
-def position_mapper(app_for, budget=10.0):
-    """map_position for one pin: each module's map fetched and decoded once, at most 20
-    of them and none after `budget` seconds (a slow app never holds a pin for long).
-    `app_for(url)` is (app, path) for a URL of an app this project opened, else None."""
-    maps, started = {}, time.monotonic()
-
-    def map_position(url, line, column):
-        where = app_for(url)
-        if where is None:
-            return None
-        if where not in maps:
-            fresh = len(maps) < 20 and time.monotonic() - started < budget
-            maps[where] = source_map_of(*where) if fresh else None
-        return maps[where].original(line, column) if maps[where] else None
-    return map_position
-
-
-# ============================================================================
 # Hub: the request router
 # ============================================================================
 
@@ -4816,12 +4897,7 @@ def page_target(hub, target, map_position):
     target = hub.app_target(target)
     if isinstance(target.get("url"), str):
         target = dict(target, url=hide_secrets(target["url"]))
-    for n, each in enumerate([target] + target.get("targets", [])):
-        if "source" in each and n <= 10:
-            each["source"] = locate_source(hub.root, each, map_position)
-        elif "source" in each:
-            del each["source"]
-    return target
+    return place_sources(hub.root, target, map_position)
 
 
 def page_evidence(hub, fields, map_position):
@@ -4835,7 +4911,8 @@ def page_evidence(hub, fields, map_position):
     requests = [dict(r, url=hub.app_address(r["url"])) for r in evidence.get("requests") or ()]
     # What the proxy carried fills in what the page could not tell (a picture that did
     # not load has no status in the page), and adds what the page did not see.
-    carried = {(r["method"], r["url"]): r for r in hub.failures_on(hide_secrets(fields["target"].get("url") or ""))}
+    load = evidence.pop("load", None)
+    carried = {(r["method"], r["url"]): r for r in hub.failures_on(hide_secrets(fields["target"].get("url") or ""), load)}
     for request in requests:
         also = carried.pop((request["method"], hide_secrets(request["url"])), None)
         if also and not request["status"]:
@@ -5124,7 +5201,18 @@ def r_toolbar(hub, request):
 
 
 def r_early(hub, request):
-    return Response(200, raw=EARLY_JS, content_type="application/javascript; charset=utf-8")
+    return Response(200, raw=early_script(), content_type="application/javascript; charset=utf-8")
+
+
+def early_script():
+    """The early hook as a page runs it: named pinbox-early.js, with a source map that
+    lists its one source as ignored, so that DevTools shows each console message the
+    app logs at the app's own line, not at the hook's wrapper."""
+    import base64
+    source_map = {"version": 3, "file": "pinbox-early.js", "sources": ["pinbox-early-hook.js"], "names": [],
+                  "mappings": "AAAA" + ";AACA" * EARLY_JS.count("\n"), "ignoreList": [0], "x_google_ignoreList": [0]}
+    return "%s\n//# sourceURL=pinbox-early.js\n//# sourceMappingURL=data:application/json;base64,%s\n" % (
+        EARLY_JS, base64.b64encode(dumps_compact(source_map).encode()).decode())
 
 
 def r_page(hub, request):
@@ -5660,11 +5748,11 @@ def toolbar_tag(hub_origin, token, nonce=None, app=None):
             % (hub_origin, token, ' data-app="%s"' % app if app else "", ' nonce="%s"' % nonce if nonce else ""))
 
 
-def inject_toolbar(html, hub_origin, token, header_nonce=None, app=None, policed=False):
+def inject_toolbar(html, hub_origin, token, header_nonce=None, app=None, policed=False, load=""):
     """An HTML page (bytes) with the early hook at the top of <head> and the toolbar's
     tag before </body> (else </head>, else at the end), and each <meta>
     Content-Security-Policy amended to allow the hub. `policed`: the page came with a
-    Content-Security-Policy header."""
+    Content-Security-Policy header; `load`: this load's id."""
     import re
     nonces = [header_nonce] if header_nonce else []
     metas = []
@@ -5682,7 +5770,7 @@ def inject_toolbar(html, hub_origin, token, header_nonce=None, app=None, policed
     html = re.sub(rb"""(?is)(<meta\b[^>]*?http-equiv\s*=\s*["']?content-security-policy["']?[^>]*?"""
                   rb"""\bcontent\s*=\s*(["']))(.*?)(\2)""", meta, html)
     nonce = nonces[0] if nonces else None
-    html = early_hook(html, hub_origin, nonce, policed or bool(metas))
+    html = early_hook(html, hub_origin, nonce, policed or bool(metas), load)
     tag = toolbar_tag(hub_origin, token, nonce, app).encode("utf-8")
     for closing in (rb"(?i)</body\s*>", rb"(?i)</head\s*>"):
         found = tags_outside_scripts(html, closing)
@@ -5699,13 +5787,14 @@ def tags_outside_scripts(html, pattern):
     return [m for m in re.finditer(pattern, html) if not any(a <= m.start() < b for a, b in quoted)]
 
 
-def early_hook(html, hub_origin, nonce, policed):
+def early_hook(html, hub_origin, nonce, policed, load):
     """The page with the early hook first in its <head> (else after <html>, else after
-    the doctype): inline, where no policy forbids it; from the hub where one does."""
-    if policed and not nonce:
-        script = '<script src="%s/early.js"></script>' % hub_origin  # (the amended policy allows the hub)
+    the doctype): inline, where no policy forbids it; from the hub where one does. It
+    carries the page load's id (`load`)."""
+    if policed and not nonce:  # (the amended policy allows the hub)
+        script = '<script src="%s/early.js" data-load="%s"></script>' % (hub_origin, load)
     else:
-        script = "<script%s>%s</script>" % (' nonce="%s"' % nonce if nonce else "", EARLY_JS)
+        script = '<script%s data-load="%s">%s</script>' % (' nonce="%s"' % nonce if nonce else "", load, early_script())
     for opening in (rb"(?i)<head\b[^>]*>", rb"(?i)<html\b[^>]*>", rb"(?i)<!doctype\b[^>]*>"):
         found = tags_outside_scripts(html, opening)
         if found:
@@ -6029,7 +6118,8 @@ class ProxyHandler(ReadsWithDeadline):
                 value, nonce = amend_csp(value, hub_origin)
                 csp_nonce, policed = csp_nonce or nonce, True
             kept.append((name, value))
-        page = inject_toolbar(page, hub_origin, hub.token, csp_nonce, self.server.upstream_origin, policed)
+        load = hub.note_load(hide_secrets(self.server.upstream_origin + self.path))
+        page = inject_toolbar(page, hub_origin, hub.token, csp_nonce, self.server.upstream_origin, policed, load)
         self.send_whole(answer, kept + [("Content-Length", str(len(page)))], page)
 
     def send_whole(self, answer, headers, body):
@@ -6169,7 +6259,7 @@ class Hub:
         self._person = None
         # Answers of 400 and up that a page proxy carried, by page (app address -> the
         # last 20): a pin made on that page names them, beside what the page saw.
-        self.page_failures = collections.OrderedDict()
+        self.page_loads = collections.OrderedDict()  # page: [(load id, [failures])], its newest 5 loads
 
     def store(self):
         """`with hub.store() as store:` — a connection from the pool, for one request."""
@@ -6229,17 +6319,28 @@ class Hub:
         app = self.app_origin(url) or (origin if origin in proxy_ports(self.root) else None)
         return (app, (parts.path or "/") + ("?" + parts.query if parts.query else "")) if app else None
 
-    def note_failure(self, page, entry):
-        """A failed answer a page proxy carried for `page` (the app's address)."""
+    def note_load(self, page):
+        """A load of `page` (the app's address) a page proxy is serving: its id, which the
+        page's early hook carries, and to which the failures that follow belong."""
+        load = new_id("load")
         with self._lock:
-            kept = self.page_failures.pop(page, [])[-19:] + [entry]
-            self.page_failures[page] = kept
-            while len(self.page_failures) > 100:
-                self.page_failures.popitem(last=False)
+            self.page_loads[page] = self.page_loads.pop(page, [])[-4:] + [(load, [])]
+            while len(self.page_loads) > 100:
+                self.page_loads.popitem(last=False)
+        return load
 
-    def failures_on(self, page):
+    def note_failure(self, page, entry):
+        """A failed answer a page proxy carried for `page`: its newest load's (a request
+        tells only its page, by its Referer; two browsers on one page can mix)."""
         with self._lock:
-            return list(self.page_failures.get(page, ()))
+            if self.page_loads.get(page):
+                failures = self.page_loads[page][-1][1]
+                failures[:] = failures[-19:] + [entry]
+
+    def failures_on(self, page, load):
+        """The failures carried for one load of `page`; none for a load not named."""
+        with self._lock:
+            return [f for each, failures in self.page_loads.get(page, ()) if each == load for f in failures]
 
     def rename_proxied_pins(self):
         """Pins stored with a page proxy's address (before pins named their app) get the
@@ -9801,9 +9902,10 @@ EARLY_JS = r"""/* pinbox early hook: what the page saw go wrong, kept for a pin.
   if (window.__pinboxEvidence) return;
   var KEEP = 20;
   var SECRET = new RegExp(@SECRET_PARAM@, 'gi');  // (the hub's own rule: SECRET_PARAM)
-  var logged = [], failed = [];
+  var logged = [], failed = [], tag = document.currentScript;
   // `hub`: the pinbox hub's origin, once the toolbar says it: its own calls are not the page's.
-  var record = { console: logged, requests: failed, hub: '' };
+  // `load`: this page load's id, given by the page proxy that served the page.
+  var record = { console: logged, requests: failed, hub: '', load: (tag && tag.getAttribute('data-load')) || '' };
   Object.defineProperty(window, '__pinboxEvidence', { value: record });
   function cut(text, most) {
     text = String(text).replace(SECRET, '$1[hidden]');
@@ -10439,7 +10541,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       role: roleOf(el) || undefined,
       name: nameOf(el) || undefined,
       source: sourceOf(el),
-      context: { nearbyText: nearbyText(el), classes: Array.from(el.classList).slice(0, 20) },
+      context: { nearbyText: nearbyText(el), classes: Array.from(el.classList).slice(0, 20), repeated: repeated(el) },
     };
   }
 
@@ -10475,20 +10577,40 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   // Where a dev build says the element comes from, read off the element itself with no
   // change to the app: an inspector plugin's attribute, React 17/18's _debugSource,
   // React 19's owner stack (a position in the served module, which the hub maps through
-  // its source map), Vue 3's component file, Svelte 5's location. Nothing found is said
-  // too ({ via: 'none' }): plain HTML that no component rendered.
+  // its source map), Vue 3's component file, Svelte 5's location, Preact's vnode
+  // __source, Angular's component class file. Solid records none: said so by name
+  // ({ via: 'unknown', framework: 'solid' }). "No component rendered it" ({ via: 'none' })
+  // only when a framework pinbox reads runs the page; else unknown.
   const SOURCE_ATTRIBUTES = ['data-source', 'data-insp-path', 'data-v-inspector', 'data-inspector-relative-path',
-    'data-tsd-source', 'data-source-file', 'data-nextjs-path'];
+    'data-tsd-source', 'data-source-file', 'data-nextjs-path', 'data-source-loc'];
   const number = (v) => (/^[0-9]{1,9}$/.test(String(v)) ? Number(v) : undefined);
   const baseName = (file) => String(file || '').split(/[\/\\]/).pop().replace(/[.][A-Za-z]+$/, '');
   const short = (list) => list.filter(Boolean).map((n) => String(n).slice(0, 100)).slice(0, 3);
 
   function sourceOf(el) {
     try {
-      return fromAttribute(el) || fromReact(el) || fromVue(el) || fromSvelte(el) || { via: 'none' };
+      return fromAttribute(el) || fromReact(el) || fromVue(el) || fromSvelte(el) || fromPreact(el) || fromAngular(el) ||
+        (window.Solid$$ ? { via: 'unknown', framework: 'solid' } : null) || (pageFramework() ? { via: 'none' } : { via: 'unknown' });
     } catch (err) {
-      return { via: 'none' };  // a framework's internals changed shape: the pin goes without
+      return { via: 'unknown' };  // a framework's internals changed shape: the pin goes without
     }
+  }
+  // A framework pinbox reads, running this page: its mark on a root (React's container,
+  // Vue's app, Preact's root vnode) or on the window (Svelte 5's version, Angular's ng).
+  function pageFramework() {
+    if ((window.__svelte && window.__svelte.v) || (window.ng && window.ng.getOwningComponent)) return true;
+    const all = document.body ? document.body.getElementsByTagName('*') : [];
+    for (let i = 0; i < all.length && i < 5000; i++) {
+      const n = all[i];
+      if (n.__vue_app__ || preactRoot(n) || Object.keys(n).some((k) => k.startsWith('__reactContainer$') ||
+          k === '_reactRootContainer')) return true;
+    }
+    return false;
+  }
+  function repeated(el) {
+    const parent = el.parentElement;
+    return !!parent && Array.prototype.some.call(parent.children, (s) => s !== el && s.tagName === el.tagName &&
+      s.className === el.className);
   }
   function fromAttribute(el) {
     const name = SOURCE_ATTRIBUTES.find((a) => el.hasAttribute(a));
@@ -10498,7 +10620,10 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
         line: number(el.getAttribute('data-inspector-line')), column: number(el.getAttribute('data-inspector-column')) };
     }
     const m = /^(.+?)(?::([0-9]+))?(?::([0-9]+))?(?::[A-Za-z][\w-]*)?$/.exec(el.getAttribute(name).slice(0, 2000));
-    return m ? { via: 'plugin', framework: 'attribute', file: m[1], line: number(m[2]), column: number(m[3]) } : null;
+    if (!m) return null;
+    // solid-devtools' locator writes the column of "<" counted from 0, plus 2.
+    const column = name === 'data-source-loc' && number(m[3]) ? number(m[3]) - 1 : number(m[3]);
+    return { via: 'plugin', framework: 'attribute', file: m[1], line: number(m[2]), column: column };
   }
   function fromReact(el) {
     const key = Object.keys(el).find((k) => k.startsWith('__reactFiber$') || k.startsWith('__reactInternalInstance$'));
@@ -10547,6 +10672,50 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       column: number(meta.loc.column) != null ? number(meta.loc.column) + 1 : undefined, components: short(names) };
   }
 
+  // Preact marks only its render root (__k, the root vnode); the element's vnode is
+  // found below it (__k children, __e the DOM node, __ the parent), with the call site
+  // preact's jsx-dev-runtime keeps (__source) and its components (function types).
+  function preactRoot(n) {
+    return n.__k && typeof n.__k === 'object' && 'type' in n.__k ? n.__k : null;
+  }
+  function fromPreact(el) {
+    let root = null;
+    for (let n = el.parentNode; n && !root; n = n.parentNode) root = preactRoot(n);
+    if (!root) return null;
+    const queue = [root];
+    let vnode = null;
+    for (let i = 0; i < queue.length && i < 50000 && !vnode; i++) {
+      const v = queue[i];
+      if (v.__e === el && typeof v.type === 'string') vnode = v;
+      else if (Array.isArray(v.__k)) v.__k.forEach((c) => { if (c && typeof c === 'object') queue.push(c); });
+    }
+    if (!vnode) return null;
+    const names = [];
+    for (let p = vnode.__; p && names.length < 3; p = p.__) {
+      if (typeof p.type === 'function') names.push(p.type.displayName || p.type.name);
+    }
+    const found = { via: 'framework', framework: 'preact', components: short(names) };
+    const src = vnode.__source;
+    return src && src.fileName ? Object.assign(found, { file: String(src.fileName).slice(0, 2000),
+      line: number(src.lineNumber), column: number(src.columnNumber) }) : found;
+  }
+  // Angular's dev mode (window.ng): the component whose template made the element, and
+  // the class's file the compiler records (AOT; the hub finds the element in its template).
+  function fromAngular(el) {
+    const ng = window.ng;
+    const owner = ng && typeof ng.getOwningComponent === 'function' ? ng.getOwningComponent(el) : null;
+    if (!owner) return null;
+    const info = (c) => (c.constructor['\u0275cmp'] || {}).debugInfo || {};
+    const names = [];
+    for (let c = owner; c && names.length < 3 && names.indexOf(c) < 0; c = ng.getOwningComponent(ng.getHostElement(c))) {
+      names.push(c);
+    }
+    const found = { via: 'framework', framework: 'angular',
+      components: short(names.map((c) => info(c).className || c.constructor.name)) };
+    const file = info(owner).filePath;
+    return file ? Object.assign(found, { file: String(file).slice(0, 2000) }) : found;
+  }
+
   // The first element is the pin's target; the others ride along in target.targets.
   function describeAll(elements) {
     const target = describe(elements[0]);
@@ -10573,10 +10742,11 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   function evidence() {
     const seen = window.__pinboxEvidence;
     if (!seen) return undefined;
-    const kept = { console: seen.console.slice(-20), requests: seen.requests.slice(-20) };
+    // (load: this page load's id, from the page proxy: the failures it carried for this load are added)
+    const kept = { console: seen.console.slice(-20), requests: seen.requests.slice(-20), load: seen.load || undefined };
     const size = () => new TextEncoder().encode(JSON.stringify(kept)).length;
     while (size() > 60000) (kept.console.length >= kept.requests.length ? kept.console : kept.requests).shift();
-    return kept.console.length || kept.requests.length ? kept : undefined;
+    return kept.console.length || kept.requests.length || kept.load ? kept : undefined;
   }
 
   // ----------------------------------------------------------------- capture
@@ -11377,7 +11547,8 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     if (!ref) return null;
     const chain = (source.components || []).join(' < ');
     return h('div', { class: 'note', 'data-pinbox': 'source' }, h('code', null, ref),
-      ' ' + (source.confidence || 'unverified') + (chain ? ' ' + DOT + ' ' + chain : '') + ' ',
+      ' ' + (source.confidence || 'unverified') + (source.why ? ': ' + source.why : '') +
+      (chain ? ' ' + DOT + ' ' + chain : '') + ' ',
       h('button', { type: 'button', class: 'link', 'data-pinbox': 'copy-source', title: 'Copy ' + ref,
         onclick: () => copyText(ref, 'Copied ' + ref) }, 'Copy'));
   }
