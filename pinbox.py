@@ -3523,11 +3523,22 @@ def segment_values(segment):
 
 class SourceMap:
     """A version 3 source map, its `mappings` decoded only as far as asked: for one
-    position of a 2 MB map, the rows before it are only summed, and its own decoded."""
+    position of a 2 MB map, the rows before it are only summed, and its own decoded.
+    An index map (`sections`, as Turbopack serves a chunk of several modules) is a map
+    for each section, from its offset on."""
 
-    def __init__(self, raw, base):
+    def __init__(self, raw, base, nested=False):
         from urllib.parse import urljoin
-        data = json_loads(raw)
+        data = json_loads(raw) if isinstance(raw, (bytes, str)) else raw
+        self.sections = None
+        if isinstance(data, dict) and data.get("version") == 3 and isinstance(data.get("sections"), list) and not nested:
+            self.sections = []
+            for section in data["sections"]:
+                at = (section["offset"]["line"], section["offset"]["column"])
+                if not all(isinstance(n, int) and n >= 0 for n in at) or (self.sections and at < self.sections[-1][0]):
+                    raise ValueError("an index map's sections are not in order")
+                self.sections.append((at, SourceMap(section["map"], base, nested=True)))
+            return
         if not isinstance(data, dict) or data.get("version") != 3 or not isinstance(data.get("mappings"), str):
             raise ValueError("not a version 3 source map")
         root = data.get("sourceRoot") if isinstance(data.get("sourceRoot"), str) else ""
@@ -3575,6 +3586,12 @@ class SourceMap:
     def original(self, line, column):
         """(source, line, column) of a 1-based generated position, or None."""
         import bisect
+        if self.sections is not None:
+            at = bisect.bisect_right([start for start, _ in self.sections], (line - 1, column - 1)) - 1
+            if at < 0:
+                return None
+            (row, col), inner = self.sections[at]
+            return inner.original(line - row, column - col if line - 1 == row else column)
         segments = self.row(line - 1)
         at = bisect.bisect_right([s[0] for s in segments], column - 1) - 1
         if not segments or not 0 <= segments[max(at, 0)][1] < len(self.sources):
@@ -3632,15 +3649,17 @@ def fetch_from_app(app, path):
 
 def source_map_of(app, path, fetch=fetch_from_app):
     """The source map a module served at `path` names (inline as a data: URL, as Vite
-    serves them, or at a path of the same app), or None."""
+    serves them, or at a path of the same app), the map `path` serves itself, or None."""
     import base64
     from urllib.parse import unquote, urljoin, urlsplit
     code = fetch(app, path)
     at = code.rfind("sourceMappingURL=") if code else -1
-    if at < 0:
+    if at < 0 and not (code or "").lstrip().startswith("{"):
         return None
     named = (code[at + len("sourceMappingURL="):].split(None, 1) or [""])[0]
     try:
+        if at < 0:  # the address answers with a map itself (Next's /__nextjs_source-map?filename=…)
+            return SourceMap(code.encode("utf-8"), app + path)
         if named.startswith("data:"):
             head, _, data = named.partition(",")
             raw = base64.b64decode(data) if head.endswith(";base64") else unquote(data).encode("utf-8")

@@ -4013,6 +4013,30 @@ class TestEvidenceParts(unittest.TestCase):
         self.assertIsNone(pinbox.SourceMap(b'{"version": 3, "sources": ["a"], "mappings": "AA9A"}', "http://a/")
                           .original(1, 1))
 
+    def test_an_index_map_maps_each_section_from_its_offset(self):
+        """Turbopack serves a chunk of several modules with an index map: `sections`, each
+        a map of its own from its offset on (its first row shifted by the offset's column)."""
+        cart = json.loads(source_map([[(0, 0, 9, 4)], [(2, 0, 12, 6)]], ("file:///repo/app/Cart.jsx",)))
+        page = json.loads(source_map([[(0, 0, 3, 0), (10, 0, 4, 2)]], ("file:///repo/app/page.jsx",)))
+        index = {"version": 3, "sources": [], "sections": [{"offset": {"line": 0, "column": 0}, "map": cart},
+                                                             {"offset": {"line": 40, "column": 5}, "map": page}]}
+        smap = pinbox.SourceMap(json.dumps(index).encode(), "http://app/_next/static/chunks/a._.js")
+        self.assertEqual(smap.original(1, 1), ("file:///repo/app/Cart.jsx", 10, 5))
+        self.assertEqual(smap.original(2, 3), ("file:///repo/app/Cart.jsx", 13, 7))
+        self.assertEqual(smap.original(41, 6), ("file:///repo/app/page.jsx", 4, 1))  # (column 5 on: the section's)
+        self.assertEqual(smap.original(41, 16), ("file:///repo/app/page.jsx", 5, 3))
+        self.assertEqual(smap.original(41, 3), None)  # before the section, after the first's rows
+        for bad in ([index["sections"][1], index["sections"][0]],  # out of order
+                    [{"offset": {"line": -1, "column": 0}, "map": cart}], [{"offset": {"line": 0}, "map": cart}],
+                    [{"offset": {"line": 0, "column": 0}, "map": index}]):  # an index map inside one
+            with self.assertRaises((ValueError, KeyError)):
+                pinbox.SourceMap(json.dumps(dict(index, sections=bad)).encode(), "http://app/x.js")
+        # An address that answers with the map itself (Next's /__nextjs_source-map?filename=…).
+        served = {"/__nextjs_source-map": json.dumps(index)}
+        found = pinbox.source_map_of("http://127.0.0.1:3000", "/__nextjs_source-map?filename=x",
+                                     lambda app, path: served.get(path.split("?")[0]))
+        self.assertEqual(found.original(41, 16), ("file:///repo/app/page.jsx", 5, 3))
+
     def test_a_map_is_found_inline_or_beside_the_module_on_the_same_app_only(self):
         import base64
         smap = source_map([[(0, 0, 9, 4)]], ("Cart.jsx",))
@@ -4423,6 +4447,16 @@ REACT_APP = {
                                "  return (\n    <section className=\"cart\">\n      <h2 id=\"cart-title\">Cart</h2>\n"
                                "      <button id=\"buy\" onClick={buy}>\n        Buy now\n      </button>\n"
                                "    </section>\n  )\n}\n"}
+# @vitejs/plugin-react 4.4-4.7 with React 18 records each tag's line 19 past it: the
+# Cart's second component puts another element there (its title's line + 19).
+LONG_CART = REACT_APP["src/components/Cart.jsx"] + "\n// Below, so that a line 19 past the title is in the file.\n" \
+    "export function Notes() {\n  return (\n    <div className=\"notes\">\n" + \
+    "".join("      <p>note %d</p>\n" % n for n in range(1, 16)) + "    </div>\n  )\n}\n"
+# The same app in TypeScript (TSX), for React 19 with plugin-react 5.
+TSX_APP = {path.replace(".jsx", ".tsx"): text.replace(".jsx", ".tsx") for path, text in REACT_APP.items()}
+TSX_APP["index.html"] = INDEX_HTML % "tsx"
+TSX_APP["src/components/Cart.tsx"] = TSX_APP["src/components/Cart.tsx"].replace("function buy() {",
+                                                                                "function buy(): void {")
 PREACT_APP = dict(REACT_APP, **{
     "vite.config.js": VITE_CONFIG % ("preact", "@preact/preset-vite", "preact"),
     "src/main.jsx": "import { render } from 'preact'\nimport App from './App.jsx'\n"
@@ -4462,7 +4496,11 @@ ANGULAR_APP = {
                                    "      <p id=\"sale\">Sale today</p>\n    </aside>\n  `,\n})\n"
                                    "export class Banner {}\n"}
 FRAMEWORK_APPS = {
-    "react19": REACT_APP, "react18": REACT_APP, "preact": PREACT_APP, "solid": SOLID_APP, "angular": ANGULAR_APP,
+    "react19": REACT_APP, "react18": REACT_APP,
+    "react18-pr47": dict(REACT_APP, **{"src/components/Cart.jsx": LONG_CART, "vite.config.js": REACT_APP[
+        "vite.config.js"].replace(", server: { hmr: false }", "")}),  # (Fast Refresh's wrapper: only with HMR)
+    "react19-pr5": TSX_APP, "preact": PREACT_APP,
+    "react19+hmr": dict(REACT_APP, **{"vite.config.js": REACT_APP["vite.config.js"].replace(", server: { hmr: false }", "")}), "solid": SOLID_APP, "angular": ANGULAR_APP,
     "vue": {"vite.config.js": VITE_CONFIG % ("vue", "@vitejs/plugin-vue", "vue"), "index.html": INDEX_HTML % "js",
             "src/main.js": "import { createApp } from 'vue'\nimport App from './App.vue'\ncreateApp(App).mount('#app')\n",
             "src/App.vue": "<script setup>\nimport Cart from './components/Cart.vue'\n</script>\n\n<template>\n"
@@ -4484,6 +4522,20 @@ FRAMEWORK_APPS = {
                                              "<section class=\"cart\">\n  <h2 id=\"cart-title\">Cart</h2>\n"
                                              "  <button id=\"buy\" onclick={buy}>\n    Buy now\n  </button>\n"
                                              "</section>\n"}}
+
+
+# A list with a look-alike item above it, of its own (the same tag and class).
+FRAMEWORK_APPS["vue+list"] = dict(FRAMEWORK_APPS["vue"], **{
+    "src/components/Cart.vue": "<script setup>\nconst items = ['Apples', 'Oranges', 'Pears']\n</script>\n\n<template>\n"
+                               "  <section class=\"cart\">\n    <h2 id=\"cart-title\">Cart</h2>\n    <ul>\n"
+                               "      <li class=\"item\">{{ items.length }} kinds</li>\n"
+                               "      <li v-for=\"item in items\" :key=\"item\" class=\"item\">{{ item }}</li>\n"
+                               "    </ul>\n  </section>\n</template>\n"})
+FRAMEWORK_APPS["svelte+list"] = dict(FRAMEWORK_APPS["svelte"], **{
+    "src/components/Cart.svelte": "<script>\n  const items = ['Apples', 'Oranges', 'Pears']\n</script>\n\n"
+                                  "<section class=\"cart\">\n  <h2 id=\"cart-title\">Cart</h2>\n  <ul>\n"
+                                  "    <li class=\"item\">{items.length} kinds</li>\n    {#each items as item}\n"
+                                  "      <li class=\"item\">{item}</li>\n    {/each}\n  </ul>\n</section>\n"})
 
 
 def start_vite(test, vite, cwd, argv=("--strictPort",)):
@@ -4519,7 +4571,7 @@ class TestEvidenceInChromium(BrowserCase):
         """The app for `name` written into the project, committed, and served by Vite
         through `pinbox open`: the proxy's address."""
         tools = os.environ.get("PINBOX_TEST_FRAMEWORKS") or ""
-        modules = os.path.join(tools, "fw-" + name, "node_modules")
+        modules = os.path.join(tools, "fw-" + name.split("+")[0], "node_modules")  # (react19+hmr: react19's packages)
         vite = os.path.join(modules, ".bin", "ng" if name == "angular" else "vite")
         if not os.path.exists(vite):
             self.skipTest("%s and its dev server not installed (set PINBOX_TEST_FRAMEWORKS; .ci/run installs them)"
@@ -4621,6 +4673,53 @@ class TestEvidenceInChromium(BrowserCase):
                                   stdin=payload("source-session", "UserPromptSubmit", self.repo))
         told = json.loads(session.out)["hookSpecificOutput"]["additionalContext"]
         return pins["The cart title says too little"], pins["This paragraph is plain"], told
+
+    def test_react_18_with_plugin_react_4_7_whose_lines_are_19_past_the_tag(self):
+        self.pin_after_the_button_fails("react18-pr47", "jsx")
+
+    def test_react_19_with_plugin_react_5_in_tsx(self):
+        self.pin_after_the_button_fails("react19-pr5", "tsx")
+
+    def test_react_19_after_a_hot_update_names_the_line_as_it_is_now(self):
+        """The person pins while the developer edits: the title's element survives a hot
+        update that put lines above it, and keeps the position it was first made at."""
+        b = self.browser
+        b.open(self.framework_app("react19+hmr"))
+        b.wait_for("!!document.getElementById('cart-title')", 30)
+        cart = os.path.join(self.repo, "src", "components", "Cart.jsx")
+        with open(cart) as handle:
+            text = handle.read()
+        with open(cart, "w") as handle:  # three lines above the title, and its words changed
+            handle.write("// one\n// two\n// three\n" + text.replace(">Cart</h2>", ">Your cart</h2>"))
+        b.wait_for("document.getElementById('cart-title').textContent === 'Your cart'", 30)
+        drop_pin(b, "document.getElementById('cart-title')", "After the edit")
+        eventually(lambda: len(self.ok("list")) == 1, 10, "the pin")
+        [pin] = self.ok("list")
+        source = pin["target"]["source"]
+        self.assertEqual((source["file"], source["line"], source["confidence"]), ("src/components/Cart.jsx", 12, "exact"))
+
+    def pin_a_list_item(self, name, loop_mark):
+        """A pin on a list's item that has a look-alike above it: its source, and the
+        line that holds `loop_mark` (the loop)."""
+        b = self.browser
+        b.open(self.framework_app(name))
+        b.wait_for("document.querySelectorAll('li.item').length === 4", 30)
+        drop_pin(b, "document.querySelectorAll('li.item')[2]", "Oranges are missing a price")
+        eventually(lambda: len(self.ok("list")) == 1, 10, "the pin")
+        path = "src/components/Cart." + name.split("+")[0]
+        with open(os.path.join(self.repo, path)) as handle:
+            loop = next(i for i, line in enumerate(handle, 1) if loop_mark in line)
+        source = self.ok("list")[0]["target"]["source"]
+        self.assertEqual((source["file"], source["confidence"]), (path, "exact"), source)
+        return source, loop
+
+    def test_a_vue_list_item_at_its_v_for_not_a_look_alike_above(self):
+        source, loop = self.pin_a_list_item("vue+list", "v-for")  # (Vue names the file: the hub searches it)
+        self.assertEqual(source["line"], loop)
+
+    def test_a_svelte_list_item_inside_its_each(self):
+        source, loop = self.pin_a_list_item("svelte+list", "{#each")
+        self.assertEqual(source["line"], loop + 1)
 
     def test_preact_through_its_vnodes_source(self):
         self.pin_after_the_button_fails("preact", "jsx")
