@@ -3504,7 +3504,10 @@ def answer_words(message):
 
 SOURCE_MAP_LIMIT = 16 * 1024 * 1024  # the largest module or map fetched from the app
 BASE64_DIGITS = {c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")}
-STACK_FRAME = r"(https?://[^\s()'\"<>]+?):(\d{1,9}):(\d{1,9})"  # where a stack names a position in a module
+# Where a stack names a position in a module: at its address, or in a module webpack
+# evaluated (Next.js's dev server gives its map at NEXT_SOURCE_MAP).
+STACK_FRAME = r"(https?://[^\s()'\"<>]+?|webpack-internal:///[^\s'\"<>]+?):(\d{1,9}):(\d{1,9})"
+NEXT_SOURCE_MAP = "/__nextjs_source-map?filename="
 
 
 def segment_values(segment):
@@ -3841,15 +3844,20 @@ def place_sources(root, target, map_position=lambda *where: None):
     return target
 
 
-def map_stack(stack, map_position, root):
-    """A stack with each frame in a module of the app named as its checkout file
-    (`src/Cart.tsx:41:9`) where its source map says so; other frames as they were."""
+def map_stack(stack, map_position, root, origin):
+    """A stack with each frame in a module of the app (at `origin`, the page's) named as
+    its checkout file (`src/Cart.tsx:41:9`) where its source map says so; other frames
+    as they were."""
     import re
+    from urllib.parse import quote
     done = {}
 
     def frame(match):
         if match.group(0) not in done and len(done) < 40:
-            mapped = map_position(match.group(1), int(match.group(2)), int(match.group(3)))
+            url = match.group(1)
+            if url.startswith("webpack-internal:"):
+                url = origin + NEXT_SOURCE_MAP + quote(url, safe="")
+            mapped = map_position(url, int(match.group(2)), int(match.group(3)))
             rel = checkout_path(root, mapped[0]) if mapped else None
             done[match.group(0)] = "%s:%d:%d" % (rel, mapped[1], mapped[2]) if rel else match.group(0)
         return done.get(match.group(0), match.group(0))
@@ -4923,10 +4931,12 @@ def page_evidence(hub, fields, map_position):
     """What the page saw, with its stacks mapped to checkout files, the failed answers
     the page proxy carried for it added, and secrets hidden; written beside the pin's
     pictures as JSON too (an agent opens it like them). None when there is nothing."""
+    from urllib.parse import urlsplit
     evidence = fields.get("evidence") or {}
+    page = urlsplit(fields["target"].get("url") or "")
     for entry in evidence.get("console") or ():
         if entry.get("stack"):
-            entry["stack"] = map_stack(entry["stack"], map_position, hub.root)
+            entry["stack"] = map_stack(entry["stack"], map_position, hub.root, page.scheme + "://" + page.netloc)
     requests = [dict(r, url=hub.app_address(r["url"])) for r in evidence.get("requests") or ()]
     # What the proxy carried fills in what the page could not tell (a picture that did
     # not load has no status in the page), and adds what the page did not see.
@@ -10648,8 +10658,8 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     const key = Object.keys(el).find((k) => k.startsWith('__reactFiber$') || k.startsWith('__reactInternalInstance$'));
     if (!key) return null;
     const fiber = el[key];
-    const owners = [];
-    for (let o = fiber._debugOwner; o && owners.length < 3; o = o._debugOwner) {
+    const owners = [];  // (a server component is an info object, { name, env, owner }, not a fiber)
+    for (let o = fiber._debugOwner; o && owners.length < 3; o = o._debugOwner || o.owner) {
       owners.push(o.type ? o.type.displayName || o.type.name : o.name);
     }
     const found = { via: 'framework', framework: 'react', components: short(owners) };
@@ -10658,14 +10668,26 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       line: number(src.lineNumber), column: number(src.columnNumber) });
     const stack = fiber._debugStack && String(fiber._debugStack.stack || '');
     for (const line of (stack || '').split('\n').slice(1)) {
-      const m = /(https?:[/][/][^\s()]+?):([0-9]+):([0-9]+)[)]?\s*$/.exec(line);
-      // The first frame in the app's own code: not React's runtime, not a prebundled dependency.
-      if (m && !/[/]node_modules[/]|[/][.]vite|[/]deps[/]|[?&]v=/.test(m[1])) {
-        found.frame = { url: m[1], line: Number(m[2]), column: Number(m[3]) };
-        break;
-      }
+      const m = /^\s*at (?:(.+?) [(])?(\S+?):([0-9]+):([0-9]+)[)]?\s*$/.exec(line);
+      // The first frame in the app's own code: not the JSX call that made the element
+      // (Turbopack bundles it into the app's own chunk), not a prebundled dependency.
+      if (!m || /(^|[.])(jsxDEV|jsxs?|createElement|fakeJSXCallSite)$/.test(m[1] || '') ||
+          /[/]node_modules[/]|[/][.]vite|[/]deps[/]|[?&]v=/.test(m[2])) continue;
+      const url = mapAddress(m[2]);
+      if (url) found.frame = { url: url, line: Number(m[3]), column: Number(m[4]) };
+      break;
     }
     return found;
+  }
+  // Where the hub gets a frame's source map: at the module's own address, or, for a
+  // module no browser can fetch (webpack's eval'd modules; a server component's, named
+  // about://React/Server/… by React in Next.js), where Next.js's dev server answers with
+  // its map.
+  function mapAddress(url) {
+    if (/^https?:/.test(url)) return url;
+    const inner = url.replace(/^about:[/][/]React[/]Server[/]/, '').replace(/[?][0-9]+$/, '');
+    return /^(webpack-internal|file):/.test(inner) ?
+      location.origin + '/__nextjs_source-map?filename=' + encodeURIComponent(inner) : null;
   }
   function fromVue(el) {
     const instance = el.__vueParentComponent;

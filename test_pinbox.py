@@ -4357,8 +4357,16 @@ class TestEvidenceEdges(unittest.TestCase):
     def test_a_stack_names_only_files_of_the_checkout(self):
         mapped = {"x.js": ("http://app/src/components/Cart.jsx", 3, 13), "y.js": ("/home/me/secret/lib.js", 9, 9)}
         stack = pinbox.map_stack("at buy (http://app/assets/x.js:1:5)\nat lib (http://app/assets/y.js:2:2)",
-                                 lambda url, line, column: mapped[url.rsplit("/", 1)[1]], self.root)
+                                 lambda url, line, column: mapped[url.rsplit("/", 1)[1]], self.root, "http://app")
         self.assertEqual(stack, "at buy (src/components/Cart.jsx:3:13)\nat lib (http://app/assets/y.js:2:2)")
+        # A module webpack evaluated: its map is asked of Next.js's dev server, at the page's origin.
+        asked = []
+        stack = pinbox.map_stack("at buy (webpack-internal:///(app-pages-browser)/./src/components/Cart.jsx:12:13)",
+                                 lambda url, line, column: asked.append(url) or ("webpack://./src/components/Cart.jsx",
+                                                                                 8, 10), self.root, "http://app")
+        self.assertEqual((stack, asked), ("at buy (src/components/Cart.jsx:8:10)", [
+            "http://app/__nextjs_source-map?filename=webpack-internal%3A%2F%2F%2F%28app-pages-browser%29%2F.%2Fsrc%2F"
+            "components%2FCart.jsx"]))
 
     def test_failures_the_page_saw_and_the_proxy_carried(self):
         import types
@@ -4524,6 +4532,21 @@ FRAMEWORK_APPS = {
                                              "</section>\n"}}
 
 
+# Next.js 16's App Router: a server component (the page) around a client component.
+NEXT_APP = {
+    "package.json": '{"private": true}\n',
+    "app/layout.jsx": "export default function RootLayout({ children }) {\n"
+                      "  return (\n    <html lang=\"en\">\n      <body>{children}</body>\n    </html>\n  )\n}\n",
+    "app/page.jsx": "import ClientBox from './components/ClientBox.jsx'\n\n// The shop's page: rendered on the server.\n"
+                    "export default function Page() {\n  return (\n    <main>\n      <p id=\"intro\">Welcome</p>\n"
+                    "      <h1 id=\"title\">Shop</h1>\n      <ClientBox />\n    </main>\n  )\n}\n",
+    "app/components/ClientBox.jsx": "'use client'\n\n// The cart: rendered in the browser.\n"
+                                    "export default function ClientBox() {\n  function buy() {\n"
+                                    "    console.error('cart failed to load')\n    throw new Error('handler blew up')\n  }\n"
+                                    "  return (\n    <section className=\"cart\">\n"
+                                    "      <h2 id=\"cart-title\">Cart</h2>\n"
+                                    "      <button id=\"buy\" onClick={buy}>Buy now</button>\n    </section>\n  )\n}\n"}
+FRAMEWORK_APPS["next"] = FRAMEWORK_APPS["next+webpack"] = NEXT_APP
 # A list with a look-alike item above it, of its own (the same tag and class).
 FRAMEWORK_APPS["vue+list"] = dict(FRAMEWORK_APPS["vue"], **{
     "src/components/Cart.vue": "<script setup>\nconst items = ['Apples', 'Oranges', 'Pears']\n</script>\n\n<template>\n"
@@ -4538,15 +4561,23 @@ FRAMEWORK_APPS["svelte+list"] = dict(FRAMEWORK_APPS["svelte"], **{
                                   "      <li class=\"item\">{item}</li>\n    {/each}\n  </ul>\n</section>\n"})
 
 
-def start_vite(test, vite, cwd, argv=("--strictPort",)):
-    """A Vite dev server (or Angular's, `ng serve`: argv) on a free port of 127.0.0.1,
-    ended with the test. Its port."""
+# How each framework's dev server is started on 127.0.0.1 and a port: {"name": (its
+# command in node_modules/.bin, its arguments)}; Vite's for the others.
+VITE_ARGS = ("--host", "127.0.0.1", "--port", "{port}", "--strictPort")
+DEV_SERVERS = {"angular": ("ng", ("serve", "--host", "127.0.0.1", "--port", "{port}")),
+               "next": ("next", ("dev", "--hostname", "127.0.0.1", "--port", "{port}")),
+               "next+webpack": ("next", ("dev", "--webpack", "--hostname", "127.0.0.1", "--port", "{port}"))}
+
+
+def start_vite(test, vite, cwd, argv=VITE_ARGS):
+    """A Vite dev server (or another framework's: its argv, "{port}" in it) on a free
+    port of 127.0.0.1, ended with the test. Its port."""
     port = closed_port()
     log = open(os.path.join(test.tmp, "vite.log"), "wb")
     test.addCleanup(log.close)
-    proc = subprocess.Popen([vite] + list(argv) + ["--host", "127.0.0.1", "--port", str(port)], cwd=cwd,
+    proc = subprocess.Popen([vite] + [a.replace("{port}", str(port)) for a in argv], cwd=cwd,
                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=dict(os.environ, NG_CLI_ANALYTICS="false"))
+                            env=dict(os.environ, NG_CLI_ANALYTICS="false", NEXT_TELEMETRY_DISABLED="1"))
     test.addCleanup(lambda: (os.killpg(proc.pid, signal.SIGKILL), proc.wait()))
     said = lambda: open(os.path.join(test.tmp, "vite.log")).read()  # noqa: E731
 
@@ -4572,7 +4603,8 @@ class TestEvidenceInChromium(BrowserCase):
         through `pinbox open`: the proxy's address."""
         tools = os.environ.get("PINBOX_TEST_FRAMEWORKS") or ""
         modules = os.path.join(tools, "fw-" + name.split("+")[0], "node_modules")  # (react19+hmr: react19's packages)
-        vite = os.path.join(modules, ".bin", "ng" if name == "angular" else "vite")
+        command, argv = DEV_SERVERS.get(name, ("vite", VITE_ARGS))
+        vite = os.path.join(modules, ".bin", command)
         if not os.path.exists(vite):
             self.skipTest("%s and its dev server not installed (set PINBOX_TEST_FRAMEWORKS; .ci/run installs them)"
                           % name)
@@ -4582,10 +4614,14 @@ class TestEvidenceInChromium(BrowserCase):
                 handle.write(text)
         os.symlink(modules, os.path.join(self.repo, "node_modules"))
         with open(os.path.join(self.repo, ".gitignore"), "a") as handle:
-            handle.write("node_modules\n.vite-cache/\n.angular/\ndist/\n")
+            handle.write("node_modules\n.vite-cache/\n.angular/\ndist/\n.next/\n")
+        if name.startswith("next"):  # (Turbopack resolves only under its root: the packages' folder too)
+            with open(os.path.join(self.repo, "next.config.mjs"), "w") as handle:
+                handle.write("export default { turbopack: { root: %s } }\n" % json.dumps(
+                    os.path.commonpath([os.path.realpath(self.repo), os.path.realpath(modules)])))
         git(self.repo, "add", "-A")
         git(self.repo, "commit", "-qm", "the app")
-        port = start_vite(self, vite, self.repo, ["serve"] if name == "angular" else ["--strictPort"])
+        port = start_vite(self, vite, self.repo, argv)
         return self.ok("open", "http://127.0.0.1:%d" % port, "--no-browser")["url"]
 
     def pin_after_the_button_fails(self, name, ext, warn=False):
@@ -4720,6 +4756,41 @@ class TestEvidenceInChromium(BrowserCase):
     def test_a_svelte_list_item_inside_its_each(self):
         source, loop = self.pin_a_list_item("svelte+list", "{#each")
         self.assertEqual(source["line"], loop + 1)
+
+    def pin_a_next_app(self, name):
+        """Next.js 16: a client component's element, a server component's, and the stack
+        of an error the client component's handler logs, each to its checkout line."""
+        b = self.browser
+        b.open(self.framework_app(name))
+        b.wait_for("!!document.getElementById('buy') && Object.keys(document.getElementById('buy'))"
+                   ".some(k => k.startsWith('__reactProps$'))", 90)  # (hydrated: its handler attached)
+        b.click_at("document.getElementById('buy')")
+        b.wait_for("window.__pinboxEvidence.console.length >= 2", 10)
+        for n, (ident, text) in enumerate((("cart-title", "the cart's title"), ("title", "the page's title")), 1):
+            drop_pin(b, "document.getElementById('%s')" % ident, text)
+            eventually(lambda: len(self.ok("list")) == n, 10, "pin %d" % n)
+        pins = {p["text"]: p for p in self.ok("list")}
+        lines = {}
+        for path in ("app/page.jsx", "app/components/ClientBox.jsx"):
+            with open(os.path.join(self.repo, path)) as handle:
+                lines[path] = handle.read().split("\n")
+        client = pins["the cart's title"]["target"]["source"]
+        self.assertEqual((client["file"], client["confidence"], client["components"][0]),
+                         ("app/components/ClientBox.jsx", "exact", "ClientBox"), client)
+        self.assertIn('id="cart-title"', lines[client["file"]][client["line"] - 1])
+        server = pins["the page's title"]["target"]["source"]
+        self.assertEqual((server["file"], server["confidence"], server["components"]), ("app/page.jsx", "exact", ["Page"]),
+                         server)
+        self.assertIn('id="title"', lines[server["file"]][server["line"] - 1])
+        stacks = "\n".join(e.get("stack") or "" for e in pins["the cart's title"]["evidence"]["console"])
+        logged = lines["app/components/ClientBox.jsx"].index("    console.error('cart failed to load')") + 1
+        self.assertIn("app/components/ClientBox.jsx:%d:" % logged, stacks)
+
+    def test_next_16_with_turbopack(self):
+        self.pin_a_next_app("next")
+
+    def test_next_16_with_webpack(self):
+        self.pin_a_next_app("next+webpack")
 
     def test_preact_through_its_vnodes_source(self):
         self.pin_after_the_button_fails("preact", "jsx")

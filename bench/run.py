@@ -990,6 +990,64 @@ def synthetic_map(size):
                        "mappings": ";".join(rows)}).encode(), len(rows)
 
 
+def bench_index_map(runs):
+    """An index map as Turbopack serves a chunk (200 modules, 2 MB in all): a position in
+    its last module resolved, beside only parsing its JSON."""
+    sections, line = [], 0
+    for _ in range(200):
+        raw, lines = synthetic_map(10 * 1024)
+        sections.append({"offset": {"line": line, "column": 0}, "map": json.loads(raw)})
+        line += lines + 3
+    raw = json.dumps({"version": 3, "sources": [], "sections": sections}).encode()
+    samples = {"parse": [], "resolve": []}
+    for _ in range(max(runs, 20)):
+        started = time.perf_counter()
+        json.loads(raw)
+        samples["parse"].append((time.perf_counter() - started) * 1000)
+        started = time.perf_counter()
+        found = pinbox.SourceMap(raw, "http://127.0.0.1:3000/_next/static/chunks/app.js").original(line - 4, 40)
+        samples["resolve"].append((time.perf_counter() - started) * 1000)
+        if not found:
+            raise SystemExit("bench: the index map's position did not resolve")
+    return [dict(name="%d KB index map, 200 sections: its JSON parsed (floor)" % (len(raw) // 1024),
+                 **summarize(samples["parse"])),
+            dict(name="  a position in its last section resolved", **summarize(samples["resolve"]))]
+
+
+def bench_place_element(runs, workdir):
+    """Checking a line against the checkout, in a component file of 3,000 lines (400
+    tags): at the line given, and when the line is wrong and the file is searched;
+    beside only reading the file."""
+    root = os.path.join(workdir, "place")
+    make_repo(root, dict(os.environ))
+    lines = ["export function Big() {", "  return (", "    <main>"]
+    for n in range(400):
+        lines += ['      <section className="card c%d">' % n, "        <h3>Card %d</h3>" % n,
+                  '        <button id="b%d" className="primary">Buy %d</button>' % (n, n), "        {/* note */}",
+                  "        <p>{t('price')}</p>", "        <span>{n}</span>", "      </section>"]
+    lines += ["    </main>", "  )", "}"]
+    os.makedirs(os.path.join(root, "src"))
+    with open(os.path.join(root, "src", "Big.jsx"), "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    at = lines.index('        <button id="b300" className="primary">Buy 300</button>') + 1
+    target = {"tag": "button", "selector": "#b300", "name": "Buy 300", "context": {"classes": ["primary"]}}
+    samples = {"read": [], "given": [], "searched": []}
+    for _ in range(max(runs, 20)):
+        for name, line in (("read", None), ("given", at), ("searched", 5)):
+            started = time.perf_counter()
+            if name == "read":
+                pinbox.file_lines(root, "src/Big.jsx")
+            else:
+                found = pinbox.locate_source(root, dict(target, source={"framework": "react", "file": "src/Big.jsx",
+                                                                          "line": line}), lambda *a: None)
+                if (found.get("line"), found.get("confidence")) != (at, "exact"):
+                    raise SystemExit("bench: the line was not placed: %r" % found)
+            samples[name].append((time.perf_counter() - started) * 1000)
+    return [dict(name="3,000-line component: the file read (floor)", **summarize(samples["read"])),
+            dict(name="  its line checked where given (and the file named)", **summarize(samples["given"])),
+            dict(name="  a wrong line: the file searched, the one fit found", **summarize(samples["searched"]))]
+
+
 def bench_evidence(runs, workdir):
     """What evidence costs. A source map of 2 MB: one position near its end resolved
     (the map parsed and decoded up to that line), beside only parsing its JSON. And a
@@ -1008,6 +1066,7 @@ def bench_evidence(runs, workdir):
             raise SystemExit("bench: the position did not resolve")
     rows = [dict(name="2 MB source map: its JSON parsed (floor)", **summarize(samples["parse"])),
             dict(name="2 MB source map: a position near its end resolved", **summarize(samples["resolve"]))]
+    rows += bench_index_map(runs) + bench_place_element(runs, workdir)
     sys.path.insert(0, ROOT)
     from test_pinbox import Chromium, chromium_binary
     binary = chromium_binary()
@@ -1019,7 +1078,7 @@ def bench_evidence(runs, workdir):
     typical_page(site, {"port": 9, "token": "t"})  # (its toolbar tag points nowhere: only the hook is timed)
     with open(os.path.join(site, "index.html"), "rb") as handle:
         page = handle.read().replace(b"<script src='http://127.0.0.1:9/toolbar.js' data-token='t'></script>", b"")
-    hooked = pinbox.early_hook(page, "http://127.0.0.1:9", None, False)
+    hooked = pinbox.early_hook(page, "http://127.0.0.1:9", None, False, "load_benchbench0")
     if hooked == page or b"pinbox early hook" not in hooked:
         raise SystemExit("bench: the early hook was not put in the page")
     for name, body in (("with.html", hooked), ("without.html", page)):
