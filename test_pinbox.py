@@ -4507,7 +4507,7 @@ FRAMEWORK_APPS = {
     "react19": REACT_APP, "react18": REACT_APP,
     "react18-pr47": dict(REACT_APP, **{"src/components/Cart.jsx": LONG_CART, "vite.config.js": REACT_APP[
         "vite.config.js"].replace(", server: { hmr: false }", "")}),  # (Fast Refresh's wrapper: only with HMR)
-    "react19-pr5": TSX_APP, "preact": PREACT_APP,
+    "react19-pr5": TSX_APP, "react19+tsx": TSX_APP, "react18-pr5": REACT_APP, "preact": PREACT_APP,
     "react19+hmr": dict(REACT_APP, **{"vite.config.js": REACT_APP["vite.config.js"].replace(", server: { hmr: false }", "")}), "solid": SOLID_APP, "angular": ANGULAR_APP,
     "vue": {"vite.config.js": VITE_CONFIG % ("vue", "@vitejs/plugin-vue", "vue"), "index.html": INDEX_HTML % "js",
             "src/main.js": "import { createApp } from 'vue'\nimport App from './App.vue'\ncreateApp(App).mount('#app')\n",
@@ -4715,6 +4715,12 @@ class TestEvidenceInChromium(BrowserCase):
 
     def test_react_19_with_plugin_react_5_in_tsx(self):
         self.pin_after_the_button_fails("react19-pr5", "tsx")
+
+    def test_react_19_with_plugin_react_6_in_tsx(self):
+        self.pin_after_the_button_fails("react19+tsx", "tsx")
+
+    def test_react_18_with_plugin_react_5(self):
+        self.pin_after_the_button_fails("react18-pr5", "jsx")
 
     def test_react_19_after_a_hot_update_names_the_line_as_it_is_now(self):
         """The person pins while the developer edits: the title's element survives a hot

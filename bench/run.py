@@ -1048,6 +1048,78 @@ def bench_place_element(runs, workdir):
             dict(name="  a wrong line: the file searched, the one fit found", **summarize(samples["searched"]))]
 
 
+def bench_sources(runs, workdir):
+    """How long a pin waits for its source on a warm dev server: the React 19 app of the
+    tests on a real Vite (PINBOX_TEST_FRAMEWORKS, as .ci/run installs it), behind
+    `pinbox open`; a pin whose element names a position in the served module (fetched,
+    its inline map decoded, the line checked against the checkout), beside the same pin
+    naming its file and line already. Each pin maps afresh: nothing is kept between."""
+    from test_pinbox import FRAMEWORK_APPS, closed_port
+    from urllib.request import urlopen
+    modules = os.path.join(os.environ.get("PINBOX_TEST_FRAMEWORKS") or "", "fw-react19", "node_modules")
+    if not os.path.exists(os.path.join(modules, ".bin", "vite")):
+        print("bench: sources skipped: React 19 with Vite not installed (PINBOX_TEST_FRAMEWORKS)")
+        return []
+    env = bench_env(workdir)
+    repo = project(workdir, "sources", env)
+    for path, text in FRAMEWORK_APPS["react19"].items():
+        os.makedirs(os.path.dirname(os.path.join(repo, path)), exist_ok=True)
+        with open(os.path.join(repo, path), "w") as handle:
+            handle.write(text)
+    os.symlink(modules, os.path.join(repo, "node_modules"))
+    with open(os.path.join(repo, ".gitignore"), "a") as handle:
+        handle.write("node_modules\n.vite-cache/\n")
+    for args in (["add", "-A"], ["commit", "-qm", "the app"]):
+        subprocess.run(["git"] + args, cwd=repo, env=env, check=True)
+    port = closed_port()
+    vite = subprocess.Popen([os.path.join(modules, ".bin", "vite"), "--host", "127.0.0.1", "--port", str(port),
+                             "--strictPort"], cwd=repo, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    old = dict(os.environ)
+    os.environ.update(XDG_STATE_HOME=env["XDG_STATE_HOME"])
+    proc, hub = start_hub(repo, env)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urlopen("http://127.0.0.1:%d/" % port, timeout=2).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit("bench: vite did not start")
+                time.sleep(0.1)
+        opened = subprocess.run([sys.executable, os.path.join(ROOT, "pinbox.py"), "open", "http://127.0.0.1:%d" % port,
+                                 "--no-browser", "--json"], cwd=repo, env=env, check=True, stdout=subprocess.PIPE)
+        proxy = json.loads(opened.stdout)["data"]["url"].rstrip("/")
+        module = proxy + "/src/components/Cart.jsx"
+        code = urlopen(module, timeout=10).read().decode()  # (the dev server warm: this module transformed)
+        line = next(n for n, text in enumerate(code.split("\n"), 1) if '"cart-title"' in text)
+        target = {"url": proxy + "/", "tag": "h2", "selector": "#cart-title", "name": "Cart"}
+        framed = {"via": "framework", "framework": "react", "frame": {"url": module, "line": line, "column": 1}}
+        given = {"via": "framework", "framework": "react", "file": "src/components/Cart.jsx", "line": 9}
+        samples = {"framed": [], "given": []}
+        for i in range(max(runs, 20)):
+            for name in sorted(samples, reverse=i % 2 == 1):
+                body = {"text": "bench", "author": {"userId": "b"},
+                        "target": dict(target, source=framed if name == "framed" else given)}
+                started = time.perf_counter()
+                status, data = call_hub(hub["port"], hub["token"], "POST", "/pins", body)
+                samples[name].append((time.perf_counter() - started) * 1000)
+                source = json.loads(data)["data"]["target"]["source"]
+                if status != 201 or (source.get("line"), source.get("confidence")) != (9, "exact"):
+                    raise SystemExit("bench: the pin's source was not found: %s %r" % (status, source))
+        return [dict(name="pin naming its file and line (React 18's way)", **summarize(samples["given"])),
+                dict(name="pin naming a position in the served module (React 19)", **summarize(samples["framed"]),
+                     target_ms=1000)]
+    finally:
+        proc.terminate()
+        proc.wait()
+        os.killpg(vite.pid, 9)
+        vite.wait()
+        os.environ.clear()
+        os.environ.update(old)
+
+
 def bench_evidence(runs, workdir):
     """What evidence costs. A source map of 2 MB: one position near its end resolved
     (the map parsed and decoded up to that line), beside only parsing its JSON. And a
@@ -1113,7 +1185,7 @@ def bench_evidence(runs, workdir):
 
 BENCHMARKS = {"forms": bench_forms, "hooks": bench_hooks, "flood": bench_flood, "commit": bench_commit, "cli": bench_cli, "hub": bench_hub,
               "delivery": bench_delivery, "inbox": bench_inbox, "proxy": bench_proxy, "toolbar": bench_toolbar,
-              "mcp": bench_mcp, "sync": bench_sync, "evidence": bench_evidence}
+              "mcp": bench_mcp, "sync": bench_sync, "evidence": bench_evidence, "sources": bench_sources}
 
 
 def format_row(row):
