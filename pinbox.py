@@ -10866,8 +10866,8 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     } catch (err) { return null; }
   }
 
-  // The page as SVG markup: a copy of the DOM with pictures inlined, form values written
-  // into attributes, fixed elements pinned where they are on screen, and our toolbar left out.
+  // The page as SVG markup: a copy of the DOM with pictures inlined, no form value in it,
+  // fixed elements pinned where they are on screen, and our toolbar left out.
   async function snapshotSvg(scale) {
     const root = document.documentElement;
     const copy = root.cloneNode(true);
@@ -10893,14 +10893,17 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
         if (!src || tag !== 'img') img.style.cssText += ';width:' + r.width + 'px;height:' + r.height + 'px';
         if (tag !== 'img') { img.className = el.className; twin.replaceWith(img); }
       } else if (tag === 'input') {
-        if (el.type === 'checkbox' || el.type === 'radio') { if (el.checked) twin.setAttribute('checked', ''); else twin.removeAttribute('checked'); } else twin.setAttribute('value', el.value);
+        // What is typed (or filled in) is never drawn: the field shows its placeholder. A
+        // button's value is its label; a box's tick says nothing typed.
+        if (el.type === 'checkbox' || el.type === 'radio') { if (el.checked) twin.setAttribute('checked', ''); else twin.removeAttribute('checked'); } else if (!/^(button|submit|reset)$/.test(el.type)) twin.removeAttribute('value');
       } else if (tag === 'textarea') {
-        twin.textContent = el.value;
+        twin.textContent = '';
       } else if (tag === 'option') {
-        if (el.selected) twin.setAttribute('selected', ''); else twin.removeAttribute('selected');
+        twin.removeAttribute('selected');  // (a select shows its first option, whatever was chosen)
       } else if (tag === 'script' || tag === 'style') {
         twin.textContent = '';  // styles come back below, all of them, once
       }
+      if (el.hasAttribute('contenteditable') && el.isContentEditable) twin.textContent = '';  // typed, as a field's
       if (getComputedStyle(el).position === 'fixed') {
         const r = el.getBoundingClientRect();
         twin.style.cssText += ';position:absolute;left:' + (r.left + scrollX) + 'px;top:' + (r.top + scrollY) +

@@ -5043,6 +5043,37 @@ class TestSecretsNeverKept(BrowserCase):
                "CARDSECRET7x", "SIGSECRET8x")
 
 
+    def test_a_typed_value_is_never_drawn(self):
+        """Two pins on a form's card field, each after a different card number was typed:
+        both pictures of the element are the same (the field drawn empty, as its
+        placeholder shows); so are a textarea, a select and an editable region."""
+        page = ('<!doctype html><html><head><title>Pay</title><style>input,textarea,select,div{display:block;'
+                'width:300px;height:30px;margin:8px;font:16px sans-serif}</style></head><body><form id="form">'
+                '<input id="card" autocomplete="cc-number" placeholder="Card number">'
+                '<textarea id="note" placeholder="Note"></textarea><select id="plan"><option>Basic</option>'
+                '<option>Premium</option></select><div id="edit" contenteditable="true"></div>'
+                '<input type="submit" value="Pay now"></form></body></html>')
+        app, _ = fake_app(self, {"/": lambda h: send_plain(h, 200, page.encode(), [("Content-Type", "text/html")])})
+        b = self.browser
+        b.open(self.ok("open", "http://127.0.0.1:%d" % app, "--no-browser")["url"])
+        b.wait_for("!!document.getElementById('card')", 10)
+        pictures = []
+        for n, (card, note, plan) in enumerate((("4111 1111 1111 1111", "first", 0),
+                                                ("5555 5555 5555 4444", "second words", 1)), 1):
+            b.evaluate("document.getElementById('form').reset(), document.getElementById('edit').textContent = '', 1")
+            for field, text in (("card", card), ("note", note), ("edit", note + " edited")):
+                b.click_at("document.getElementById('%s')" % field)
+                b.type_text(text)
+            b.evaluate("document.getElementById('plan').selectedIndex = %d, 1" % plan)
+            drop_pin(b, "document.getElementById('form')", "pin %d" % n)
+            eventually(lambda: len(self.ok("list")) == n, 10, "pin %d" % n)
+            pin = [p for p in self.ok("list") if p["text"] == "pin %d" % n][0]
+            [element] = [a["path"] for a in pin["attachments"] if a.get("label") == "element"]
+            with open(element, "rb") as handle:
+                pictures.append(handle.read())
+        self.assertEqual(b.evaluate("document.getElementById('card').value"), "5555 5555 5555 4444")  # (typed, kept)
+        self.assertEqual(pictures[0], pictures[1])
+
     def test_a_password_a_bearer_token_a_cookie_and_a_token_in_the_address_appear_nowhere(self):
         page = ('<!doctype html><html><head><title>Account</title></head><body><h1 id="title">Account</h1>'
                 '<form><input type="password" id="pw"><input type="hidden" name="csrf" value="HIDDENSECRET6x">'
