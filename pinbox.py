@@ -4803,6 +4803,21 @@ def error_response(err):
     return Response(err.http_status, error=err)
 
 
+def page_view(data):
+    """What a page (its token) may read of `data`: each agent session named by its agent
+    and the first 8 characters of its key, enough to tell sessions apart, never the whole
+    key nor its folder."""
+    if isinstance(data, list):
+        return [page_view(item) for item in data]
+    if not isinstance(data, dict):
+        return data
+    session = isinstance(data.get("agent"), str) and isinstance(data.get("key"), str)
+    seen = {k: page_view(v) for k, v in data.items() if not (session and k == "cwd")}
+    if session:
+        seen["key"] = data["key"][:8]
+    return seen
+
+
 # --- Routes ---------------------------------------------------------------------------
 
 def query_int(request, name, default, low=0, high=None):
@@ -4830,7 +4845,10 @@ def route(hub, request):
                               % (request.method, request.path),
                               "hooks, the CLI and MCP do this; a page's token cannot register or end sessions, "
                               "use inboxes or open proxies")
-        return handler(hub, request, *args)
+        response = handler(hub, request, *args)
+        if not request.local and response.content_type == "application/json" and b'"key":' in response.body:
+            response = Response(response.status, page_view(json_loads(response.body)["data"]))
+        return response
     except PinboxError as err:
         return error_response(err)
     except sqlite3.Error as exc:
@@ -4976,6 +4994,9 @@ def r_get_thread(hub, request, pin_id):
 
 def r_post_thread(hub, request, pin_id):
     body = validate(request.json(), MESSAGE_INPUT)
+    if body["role"] == "agent" and not request.local:
+        raise PinboxError("E_FORBIDDEN", "a page speaks for the person: it cannot post as an agent",
+                          "agents post through pinbox on this machine (their hooks, the CLI, MCP)")
     attachments = own_attachments(hub, body["attachments"]) if "attachments" in body else None
     with hub.store() as store:
         message = add_message(store, pin_id, body["role"], body["text"], origin=body.get("origin"),
@@ -4988,6 +5009,9 @@ def r_post_thread(hub, request, pin_id):
 def r_resolve(hub, request, pin_id):
     body = validate(request.json(), {"by": (("enum", ("human", "agent")), True), "note": ("string", False),
                                      "commit": ("string", False)})
+    if body["by"] == "agent" and not request.local:
+        raise PinboxError("E_FORBIDDEN", "a page speaks for the person: it cannot resolve as an agent",
+                          'resolve as the person: {"by": "human"}')
     with hub.store() as store:
         pin = resolve_pin(store, pin_id, body["by"], body.get("note"), body.get("commit"))
     hub.changed()
@@ -5331,7 +5355,7 @@ def serve_stream(handler, hub, query):
 
 
 def sse_frame(event):
-    return ("id: %d\ndata: %s\n\n" % (event["seq"], dumps_compact(event))).encode("utf-8")
+    return ("id: %d\ndata: %s\n\n" % (event["seq"], dumps_compact(page_view(event)))).encode("utf-8")
 
 
 class WebSocket:
@@ -5393,7 +5417,7 @@ class WebSocket:
 
 def event_frame(event):
     return {"type": "event", "seq": event["seq"], "eventType": event["type"], "at": event["at"],
-            "payload": event["payload"]}
+            "payload": page_view(event["payload"])}
 
 
 def websocket_accept(key):

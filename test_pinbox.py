@@ -3910,8 +3910,8 @@ class TestTheLoopOnThePage(BrowserCase):
         # The answer reaches the session as a reply on its pin, with the element and its picture.
         told = self.context()
         self.assertIn("the intro, it is too small", told)
-        self.assertIn('They pointed at: #intro · element <p> "Leather, handmade." · source none: no component rendered '
-                      'this element · picture %s.' % picture["path"], told)
+        self.assertIn('They pointed at: #intro · element <p> "Leather, handmade." · source unknown: no framework pinbox '
+                      'reads runs this page · picture %s.' % picture["path"], told)  # (a static page: plain HTML)
 
     def test_an_mcp_client_no_one_here_wrote_asks_about_a_page(self):
         python = os.environ.get("PINBOX_TEST_MCP_PYTHON")
@@ -4622,7 +4622,12 @@ class TestEvidenceInChromium(BrowserCase):
         git(self.repo, "add", "-A")
         git(self.repo, "commit", "-qm", "the app")
         port = start_vite(self, vite, self.repo, argv)
-        return self.ok("open", "http://127.0.0.1:%d" % port, "--no-browser")["url"]
+        url = self.ok("open", "http://127.0.0.1:%d" % port, "--no-browser")["url"]
+        # The first page a dev server compiles can take a while (Next.js with webpack: ~10 s
+        # alone, more beside other tests): asked for once here, the browser's load is warm.
+        import urllib.request
+        urllib.request.urlopen(url, timeout=120).read()
+        return url
 
     def pin_after_the_button_fails(self, name, ext, warn=False):
         b = self.browser
@@ -6594,6 +6599,28 @@ class TestHubApi(HubCase):
         self.assertEqual(error["message"], "request body is not valid JSON")
         self.assertEqual(self.api("GET", "/pins"), [])
 
+    def test_the_page_token_speaks_for_the_person_only(self):
+        """With a page's token a script cannot post or resolve as an agent (whatever
+        session it names), and reads no session's key or folder."""
+        self.ok("session", "register", "--agent", "claude", "--key", "secret-session-key-42", "--cwd", self.repo)
+        pin = self.post_pin("The total is wrong")
+        for body in ({"role": "agent", "text": "fixed it"}, {"role": "agent", "text": "fixed it", "by": "agent"}):
+            self.api_error("POST", "/pins/%s/thread" % pin["id"], body, headers={
+                "x-pinbox-session": "claude:secret-session-key-42"}, status=403, code="E_FORBIDDEN")
+        self.api_error("POST", "/pins/%s/resolve" % pin["id"], {"by": "agent"}, status=403, code="E_FORBIDDEN")
+        self.assertEqual([m["role"] for m in self.ok("show", pin["id"])["thread"]], [])
+        self.assertEqual(self.ok("show", pin["id"])["pin"]["status"], "open")
+        [session] = self.api("GET", "/sessions")
+        self.assertEqual((session["agent"], session["key"], "cwd" in session), ("claude", "secret-s", False))
+        self.run_pinbox("session", "inject", "--agent", "claude", "--key", "secret-session-key-42")
+        for path in ("/pins", "/pins/" + pin["id"], "/progress", "/sessions"):
+            code, data, _ = self.request("GET", path)
+            self.assertEqual(code, 200)
+            self.assertNotIn("secret-session-key-42", json.dumps(data), path)
+            self.assertNotIn(self.repo, json.dumps(data), path)
+        self.assertEqual(self.request("GET", "/sessions", token=self.local_token)[1]["data"][0]["key"],
+                         "secret-session-key-42")  # (this machine's own processes: the whole of it)
+
     def test_progress_says_where_each_pin_stands(self):
         pin = self.post_pin("Checkout total is wrong")
         state = lambda: self.api("GET", "/progress?pin=" + pin["id"])["pins"][pin["id"]]
@@ -6604,7 +6631,9 @@ class TestHubApi(HubCase):
         got = self.api("GET", "/progress")
         self.assertEqual((got["pins"][pin["id"]]["state"], got["pins"][pin["id"]]["session"], got["pins"][pin["id"]]["adapter"]),
                          ("delivered", sid, "hooks"))
-        self.assertEqual(got["sessions"], {sid: {"agent": "claude", "key": "k-progress-1234"}})
+        self.assertEqual(got["sessions"], {sid: {"agent": "claude", "key": "k-progre"}})  # a page: 8 characters
+        local = self.request("GET", "/progress", token=self.local_token)[1]["data"]
+        self.assertEqual(local["sessions"], {sid: {"agent": "claude", "key": "k-progress-1234"}})
         self.ok("reply", pin["id"], "looking at it", "--as", "agent", "--session", "claude:k-progress-1234")
         now = state()
         self.assertEqual((now["state"], now["session"], now["lastMessage"]["text"]), ("replied", sid, "looking at it"))
@@ -6632,8 +6661,11 @@ class TestHubApi(HubCase):
                                    ("GET", "/pins/pin_0000000000/thread", None)):
             self.api_error(method, path, body, status=404, code="E_NOT_FOUND")
         self.api_error("POST", "/pins/%s/verify" % pin["id"], {"outcome": "accepted"}, status=409, code="E_CONFLICT")
-        resolved = self.api("POST", "/pins/%s/resolve" % pin["id"], {"by": "agent", "note": "fixed", "commit": "abc"})
-        self.assertEqual(resolved["resolution"]["commit"], "abc")
+        self.api_error("POST", "/pins/%s/resolve" % pin["id"], {"by": "agent"}, status=403, code="E_FORBIDDEN")
+        code, resolved, _ = self.request("POST", "/pins/%s/resolve" % pin["id"], {"by": "agent", "note": "fixed",
+                                                                                   "commit": "abc"},
+                                         token=self.local_token)  # (an agent's own process may)
+        self.assertEqual((code, resolved["data"]["resolution"]["commit"]), (200, "abc"))
         self.api_error("POST", "/pins/%s/resolve" % pin["id"], {"by": "human"}, status=409, code="E_CONFLICT")
         accepted = self.api("POST", "/pins/%s/verify" % pin["id"], {"outcome": "accepted"})
         self.assertEqual((accepted["status"], accepted["verification"]["outcome"]), ("resolved", "accepted"))
@@ -8715,7 +8747,8 @@ class TestPageProxy(HubCase):
         self.start_hub()
         moved = self.open_app(app)
         self.assertNotEqual(moved, first)
-        self.assertEqual(self.fetch("GET", "/", port=moved)[2][len(early):][:10], b"<p>one</p>")
+        page = self.fetch("GET", "/", port=moved)[2]
+        self.assertEqual(page[early.match(page).end():][:10], b"<p>one</p>")
         squatter.close()
         self.stop_hub(self.proc)
         self.start_hub()
