@@ -1378,15 +1378,120 @@ def check_url(url, where="url", hint="a page address starts with http:// or http
     return url
 
 
-# Query parameters named like secrets keep their name; their value never reaches the
-# store, an agent or a teammate (an OAuth fragment's access_token too).
-SECRET_PARAM = (r"(?i)([?&#;][^=&#\s\"'<>()]*(?:token|key|secret|passw|auth|session|sig)[^=&#\s\"'<>()]*=)"
-                r"[^&#;\s\"'<>()]*")
+# Secrets by their shape, wherever text from a page (or a person) goes: one table, read
+# by the page's early hook (as JSON, before anything is sent) and by the hub (before
+# anything is stored, delivered or synced). Each is (what it hides, "i" for any case,
+# the groups that are the secret, the pattern): its groups cover the whole match, the
+# secret ones give way to a marker, the others are kept. The patterns mean the same in
+# Python (re.ASCII) and JavaScript (no "u" flag): ASCII classes, no lookbehind, no named
+# groups; none nests quantifiers that can backtrack without end. Applied in order.
+AUTH_SCHEME = r"(?:(?:Bearer|Basic|Token|Digest|Bot|Negotiate|NTLM|OAuth|ApiKey|AWS4-HMAC-SHA256)[ ]+)"
+NO_VALUE = r"(?!(?:null|undefined|true|false|none|nil|NaN)(?![A-Za-z0-9_-])|%s|[=>])" % AUTH_SCHEME[3:-2]
+BARE_VALUE = r"((?:[^ \t\r\n\"'`&;,#<>(){}\[\]\\%%]|%%(?!(?:25)?2[36]))+)"  # (ends at an encoded & or #)
+SECRET_NAME = (r"(?:[A-Za-z0-9]*(?:token|secret|passw(?:or)?d)|passphrase|pwd|api[_-]?key|private[_-]?key|"
+               r"secret[_-]?(?:access[_-]?)?key|otp|(?:php|j)?sess(?:ion)?(?:[_-]?id)?|sid|cookie|authorization|auth|jwt)")
+KEY_FORMATS = (r"(?:sk|rk)_(?:live|test)_[A-Za-z0-9]{10,}|whsec_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{30,}|"
+               r"github_pat_[A-Za-z0-9_]{30,}|xox[abposr]-[A-Za-z0-9-]{10,}|(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Za-z0-9])|"
+               r"AIza[A-Za-z0-9_-]{35}(?![A-Za-z0-9_-])|sk-(?=[A-Za-z0-9_-]{32})(?=[A-Za-z_-]*[0-9])[A-Za-z0-9_-]+|"
+               r"npm_[A-Za-z0-9]{36}(?![A-Za-z0-9])|glpat-[A-Za-z0-9_-]{20,}|"
+               r"SG\.[A-Za-z0-9_-]{22}\.[A-Za-z0-9_-]{43}(?![A-Za-z0-9_-])|"
+               r"eyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]*")
+# The marker of a key by its first characters (the first that fits).
+KEY_NAMES = (("sk_", "stripe key"), ("rk_", "stripe key"), ("whsec_", "stripe webhook secret"), ("gh", "github token"),
+             ("xox", "slack token"), ("AKIA", "aws key"), ("ASIA", "aws key"), ("AIza", "google api key"),
+             ("sk-", "api key"), ("npm_", "npm token"), ("glpat-", "gitlab token"), ("SG.", "sendgrid key"),
+             ("eyJ", "jwt"))
+SECRET_DETECTORS = (
+    ("private key", "", (2,), r"(-----BEGIN [A-Z0-9 ]{0,40}PRIVATE KEY[A-Z ]{0,20}-----)([^-]*(?:-(?!----)[^-]*)*)"
+                              r"((?:-----END [A-Z0-9 ]{0,40}PRIVATE KEY[A-Z ]{0,20}-----)?)"),
+    ("", "", (2,), r"(://)([^ \t\r\n/?#@:\"'<>`\\]*:[^ \t\r\n/?#@\"'<>`\\]*)(@)"),  # user:password@
+    ("key", "", (2,), r"((?:^|[^A-Za-z0-9_-]|%[0-9A-Fa-f]{2}))(" + KEY_FORMATS + ")"),
+    ("", "i", (2,), r"((?:^|[^A-Za-z0-9])(?:cookie|authorization)[ \t]*:[ \t]*%s?)(?!(?:null|undefined)(?![A-Za-z0-9_-]))"
+                    r"([^ \t\r\n\"'`\\][^\r\n\"'`\\]*)" % AUTH_SCHEME),  # a header's line
+    ("", "i", (3, 5, 7, 9), (r"((?:^|[^A-Za-z0-9]|%%(?:25)?[0-9A-Fa-f]{2})%s\\?[\"'`]?[ \t]*(?:[:=]|%%(?:25)?3[Dd])[ \t]*)"
+                             r"(?:(\\?\"%s?)((?:[^\"\\\r\n]|\\[^\"\r\n])+)|('%s?)((?:[^'\\\r\n]|\\[^'\r\n])+)|"
+                             r"(`%s?)([^`\\\r\n]+)|(%s?)%s%s)")
+     % (SECRET_NAME, AUTH_SCHEME, AUTH_SCHEME, AUTH_SCHEME, AUTH_SCHEME, NO_VALUE, BARE_VALUE % ())),  # name = value
+    ("", "i", (2,), r"((?:[?&#;]|%%(?:25)?(?:3[Ff]|26|23))(?:code|key|sig|signature|jwt|auth|(?:x-(?:amz|goog)-)?"
+                    r"(?:signature|credential))(?:=|%%(?:25)?3[Dd]))%s%s" % (NO_VALUE, BARE_VALUE % ())),  # in a URL
+    ("", "", (2,), r"(/(?:reset[-_]?password|password[-_]reset|reset|verify(?:[-_]email)?|magic(?:[-_]link)?|invite|"
+                   r"invitation|confirm(?:[-_]email)?|activate)/)((?=[a-z.-]*[A-Z0-9_~=+%])[A-Za-z0-9_~.=+%-]{8,})"),
+    ("", "i", (2,), r"((?:^|[^A-Za-z0-9_-])bearer[ ]+)([A-Za-z0-9._~+/-]{16,}=*)"),
+    ("card number", "", (2,), r"((?:^|[^0-9A-Za-z_./#+-]))([2-6](?:[ -]?[0-9]){12,18})(?![0-9A-Za-z_])"),
+    ("one-time code", "i", (2,), r"((?:^|[^A-Za-z0-9])(?:otp|passcode|one[- ]time (?:pass(?:word|code)|code|pin)|"
+                                 r"(?:verification|security|confirmation|login|sign[- ]?in|2fa|mfa|auth(?:entication)?|"
+                                 r"access|your) code|code is)[ \t]*(?:is[ \t]*)?(?:[:=#][ \t]*)?[\"']?)"
+                                 r"([0-9]{4,8}|[0-9]{3}[ -][0-9]{3})(?![0-9A-Za-z])"),
+)
+_DETECTORS = []  # SECRET_DETECTORS compiled, at the first text that needs them
 
 
 def hide_secrets(text):
+    """`text` with every secret SECRET_DETECTORS knows given way to a marker: `[hidden]`
+    where the name before it says what it was (`?token=[hidden]`), else what it was
+    (`[hidden: github token]`, `[hidden: card number]`)."""
     import re
-    return re.sub(SECRET_PARAM, r"\1[hidden]", text) if "=" in text else text
+    if not isinstance(text, str) or not text:
+        return text
+    if not _DETECTORS:
+        _DETECTORS.extend((re.compile(pattern, re.ASCII | (re.I if flags else 0)), secret, what)
+                          for what, flags, secret, pattern in SECRET_DETECTORS)
+    for pattern, secret, what in _DETECTORS:
+        text = pattern.sub(lambda match: hidden_parts(match, secret, what), text)
+    return text
+
+
+def hidden_parts(match, secret, what):
+    """A detector's match with its secret groups given way to their marker (one hidden
+    already stays as it is: the page hid it, the hub sees it again)."""
+    out = []
+    for n, part in enumerate(match.groups(), 1):
+        if part is None or n not in secret or part.startswith("[hidden"):
+            out.append(part or "")
+        elif what == "card number":
+            out.append(card_hidden(part))
+        else:
+            named = next((name for start, name in KEY_NAMES if part.startswith(start)), "key") if what == "key" else what
+            out.append("[hidden: %s]" % named if named else "[hidden]")
+    return "".join(out)
+
+
+def card_hidden(digits):
+    """A run of digits with the card number it starts with hidden (the longest part, cut
+    at a space or dash, that has a card's length and passes Luhn's check), else as it was:
+    an order number is no card."""
+    cuts = [len(digits)] + [i for i in range(len(digits) - 1, 0, -1) if digits[i] in " -" and digits[i - 1] not in " -"]
+    for cut in cuts:
+        number = digits[:cut].replace(" ", "").replace("-", "")
+        lengths = {"4": (13, 16, 19), "2": (16,), "5": (16,), "3": (14, 15, 16)}.get(number[0], range(16, 20))
+        total = sum((d * 2 - 9 if d * 2 > 9 else d * 2) if i % 2 else d
+                    for i, d in enumerate(int(c) for c in reversed(number)))
+        if len(number) in lengths and total % 10 == 0:
+            return "[hidden: card number]" + digits[cut:]
+    return digits
+
+
+def hide_page_text(pin):
+    """A pin's words as kept: its text, page title and the words of the element(s) it
+    points at (their name, nearby, selected text and address) past hide_secrets. Paths
+    and selectors are not words (a `reset/` folder is no token)."""
+    def words(target):
+        context = target.get("context")
+        if isinstance(context, dict):
+            context = dict(context, **{k: hide_secrets(context[k]) for k in ("nearbyText", "selectedText")
+                                       if isinstance(context.get(k), str)})
+            if isinstance(context.get("textRuns"), list):
+                context["textRuns"] = [hide_secrets(run) for run in context["textRuns"]]
+            target = dict(target, context=context)
+        return dict(target, **{k: hide_secrets(target[k]) for k in ("url", "name") if isinstance(target.get(k), str)})
+    pin = dict(pin, text=hide_secrets(pin["text"])) if isinstance(pin.get("text"), str) else dict(pin)
+    if isinstance(pin.get("target"), dict):
+        pin["target"] = words(pin["target"])
+        if isinstance(pin["target"].get("targets"), list):
+            pin["target"]["targets"] = [words(t) if isinstance(t, dict) else t for t in pin["target"]["targets"]]
+    if isinstance(pin.get("env"), dict) and isinstance(pin["env"].get("title"), str):
+        pin["env"] = dict(pin["env"], title=hide_secrets(pin["env"]["title"]))
+    return pin
 
 
 def check_evidence(evidence):
@@ -1438,9 +1543,7 @@ def create_pin(store, fields):
     ref = fields.get("agentSession")
     if isinstance(ref, dict) and ref.get("agent") in AGENTS:  # a session the pin will be routed to
         check_session_ref(ref["agent"], ref.get("key"))
-    pin = dict(fields, text=text)
-    if isinstance(pin.get("target"), dict) and isinstance(pin["target"].get("url"), str):
-        pin["target"] = dict(pin["target"], url=hide_secrets(pin["target"]["url"]))
+    pin = hide_page_text(dict(fields, text=text))
     if pin.get("evidence") is not None:
         pin["evidence"] = check_evidence(pin["evidence"])
     pin.setdefault("kind", "note")
@@ -1561,6 +1664,7 @@ def add_message(store, handle, role, text, session=None, origin=None, attachment
     text = clean_text(text, "reply text")
     if not text.strip():
         raise invalid("reply text must not be empty", 'quote the message: pinbox reply <id> "your text"')
+    text = hide_secrets(text)
     with store.write() as conn:
         pin_id = find_pin(conn, handle, named=True)["id"]
         message = insert_message(conn, store, pin_id, dict(extra or {}, role=role, origin=origin, session=session,
@@ -4297,6 +4401,10 @@ def check_event(event, device):
             raise invalid("data.attachments: an after picture's event carries that picture alone")
     if data.get("evidence") is not None:
         data["evidence"] = check_evidence(data["evidence"])
+    if event["type"] == "pin.created":
+        data = event["data"] = hide_page_text(data)
+    elif event["type"] == "thread.message":
+        data["text"] = hide_secrets(data["text"])
     if event["type"] in ("pin.created", "thread.message") and not data["text"].strip():
         raise invalid("data.text: empty")
     for attachment in data.get("attachments") or ():
@@ -9949,19 +10057,59 @@ EARLY_JS = r"""/* pinbox early hook: what the page saw go wrong, kept for a pin.
    Put at the top of <head> by `pinbox open` (so it runs before the app's own scripts) and
    run by the toolbar too. The app sees nothing different: its console, fetch, XHR and
    error handlers run as before, with the same values; errors still reach the console.
-   Never kept: headers, cookies, bodies, field values; a query value named like a secret. */
+   Never kept: headers, cookies, bodies, field values; a secret the hub's detectors know
+   (SECRET_DETECTORS, the same table) in any text kept. */
 (function () {
   'use strict';
   if (window.__pinboxEvidence) return;
   var KEEP = 20;
-  var SECRET = new RegExp(@SECRET_PARAM@, 'gi');  // (the hub's own rule: SECRET_PARAM)
+  var DETECTORS = @SECRET_DETECTORS@.map(function (d) { return [d[0], new RegExp(d[3], 'g' + d[1]), d[2]]; });
+  var KEY_NAMES = @KEY_NAMES@;
   var logged = [], failed = [], tag = document.currentScript;
   // `hub`: the pinbox hub's origin, once the toolbar says it: its own calls are not the page's.
   // `load`: this page load's id, given by the page proxy that served the page.
+  // `hide`: the detectors, for the toolbar's words and pictures (not enumerable: never sent).
   var record = { console: logged, requests: failed, hub: '', load: (tag && tag.getAttribute('data-load')) || '' };
   Object.defineProperty(window, '__pinboxEvidence', { value: record });
+  Object.defineProperty(record, 'hide', { value: hide });
+  // As hide_secrets in the hub: each detector's secret groups give way to a marker.
+  function hide(text) {
+    text = String(text);
+    DETECTORS.forEach(function (d) {
+      text = text.replace(d[1], function () {
+        var out = '';
+        for (var n = 1; n < arguments.length - 2; n++) {  // (the groups: then the offset and the whole text)
+          var part = arguments[n];
+          if (part === undefined) continue;
+          out += d[2].indexOf(n) < 0 || part.indexOf('[hidden') === 0 ? part : d[0] === 'card number' ?
+            cardHidden(part) : '[hidden' + (d[0] ? ': ' + named(d[0], part) : '') + ']';
+        }
+        return out;
+      });
+    });
+    return text;
+  }
+  function named(what, part) {
+    if (what !== 'key') return what;
+    for (var i = 0; i < KEY_NAMES.length; i++) if (part.indexOf(KEY_NAMES[i][0]) === 0) return KEY_NAMES[i][1];
+    return what;
+  }
+  function cardHidden(digits) {
+    var cuts = [digits.length];
+    for (var i = digits.length - 1; i > 0; i--) if (/[ -]/.test(digits[i]) && !/[ -]/.test(digits[i - 1])) cuts.push(i);
+    for (var c = 0; c < cuts.length; c++) {
+      var number = digits.slice(0, cuts[c]).replace(/[ -]/g, ''), total = 0;
+      var lengths = { 4: [13, 16, 19], 2: [16], 5: [16], 3: [14, 15, 16] }[number[0]] || [16, 17, 18, 19];
+      for (var k = 0; k < number.length; k++) {
+        var d = Number(number[number.length - 1 - k]) * (k % 2 ? 2 : 1);
+        total += d > 9 ? d - 9 : d;
+      }
+      if (lengths.indexOf(number.length) >= 0 && total % 10 === 0) return '[hidden: card number]' + digits.slice(cuts[c]);
+    }
+    return digits;
+  }
   function cut(text, most) {
-    text = String(text).replace(SECRET, '$1[hidden]');
+    text = hide(String(text).slice(0, 4 * most));  // (the detectors' work bounded first)
     return text.length > most ? text.slice(0, most) + '...' : text;
   }
   function keep(list, item) {
@@ -10040,7 +10188,7 @@ EARLY_JS = r"""/* pinbox early hook: what the page saw go wrong, kept for a pin.
     };
   }
 })();
-""".replace("@SECRET_PARAM@", dumps_compact(SECRET_PARAM[len("(?i)"):]))
+""".replace("@SECRET_DETECTORS@", dumps_compact(SECRET_DETECTORS)).replace("@KEY_NAMES@", dumps_compact(KEY_NAMES))
 
 TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
    Served by the pinbox hub as GET /toolbar.js and loaded by one tag:
@@ -10065,6 +10213,9 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   if (!script) return;
   const ENDPOINT = new URL(script.src, location.href).origin;
   window.__pinboxEvidence.hub = ENDPOINT;  // this toolbar's calls to its hub are no failure of the page's
+  // The hub's secret detectors, as the early hook holds them: every word the toolbar
+  // sends of the page, and every word it draws, goes through them first.
+  const hide = (text) => (window.__pinboxEvidence.hide ? window.__pinboxEvidence.hide(text) : text);
   const TOKEN = script.getAttribute('data-token') || '';
   // Behind `pinbox open` the page is served at the proxy's address: pins name the app's
   // own (data-app), and a pin made with either address is this page's.
@@ -10586,15 +10737,15 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   function describe(el) {
     const r = el.getBoundingClientRect();
     return {
-      url: appUrl(location.href),
+      url: hide(appUrl(location.href)),
       selector: selectorFor(el),
       tag: el.tagName.toLowerCase(),
       rect: { x: round(r.left + scrollX), y: round(r.top + scrollY), width: round(r.width), height: round(r.height) },
       spot: { x: round(r.left + r.width / 2), y: round(r.top + r.height / 2) },  // its centre in the page's picture
       role: roleOf(el) || undefined,
-      name: nameOf(el) || undefined,
+      name: hide(nameOf(el)) || undefined,
       source: sourceOf(el),
-      context: { nearbyText: nearbyText(el), classes: Array.from(el.classList).slice(0, 20), repeated: repeated(el) },
+      context: { nearbyText: hide(nearbyText(el)), classes: Array.from(el.classList).slice(0, 20), repeated: repeated(el) },
     };
   }
 
@@ -10799,7 +10950,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       : /Mac OS X|Macintosh/.test(ua) ? 'macOS' : /CrOS/.test(ua) ? 'ChromeOS' : /Linux/.test(ua) ? 'Linux' : 'unknown';
     const dark = window.matchMedia && matchMedia('(prefers-color-scheme: dark)').matches;
     return { viewport: { w: innerWidth, h: innerHeight, dpr: devicePixelRatio }, browser, os, colorScheme: dark ? 'dark' : 'light',
-      title: String(document.title || '').slice(0, 300) || undefined, userAgent: ua.slice(0, 500) };
+      title: hide(String(document.title || '').slice(0, 300)) || undefined, userAgent: ua.slice(0, 500) };
   }
 
   // What the page saw go wrong (kept since the early hook, or since this script ran):
@@ -10933,6 +11084,12 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
         twin.style.cssText += ';position:absolute;left:' + (r.left + scrollX) + 'px;top:' + (r.top + scrollY) +
           'px;right:auto;bottom:auto;width:' + r.width + 'px;height:' + r.height + 'px;margin:0;box-sizing:border-box';
       }
+    }
+    // Text a secret detector flags (a card number shown on the page) is drawn hidden too.
+    const texts = document.createTreeWalker(copy, NodeFilter.SHOW_TEXT);
+    for (let node = texts.nextNode(); node; node = texts.nextNode()) {
+      const shown = node.nodeValue.trim() ? hide(node.nodeValue) : node.nodeValue;
+      if (shown !== node.nodeValue) node.nodeValue = shown;
     }
     // A copy cannot be scrolled: a scrolled box's children are moved up (and left) by as
     // much, so the box shows what it shows on screen (the page's own scroll is the viewBox).

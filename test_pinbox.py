@@ -29,6 +29,7 @@ import shutil
 import signal
 import socket
 import sqlite3
+import string
 import struct
 import subprocess
 import sys
@@ -4099,6 +4100,63 @@ class TestEvidenceParts(unittest.TestCase):
         self.assertEqual(find(lines, {"tag": "table"}), (None, False))
         self.assertEqual(find(lines[:3], {"tag": "button"}), (None, False))  # no template
 
+    def test_secrets_are_hidden_by_their_shape_the_same_in_the_page_and_the_hub(self):
+        """Each detector of SECRET_DETECTORS on secrets made anew each run, in the shapes a
+        page logs and shows them; look-alikes stay; the page's copy (EARLY_JS, in Node)
+        gives exactly what the hub gives, on these and on generated text."""
+        rng = random.Random()
+        word = lambda n, chars=string.ascii_letters + string.digits: "".join(rng.choice(chars) for _ in range(n))
+
+        def card():
+            digits = [4] + [rng.randrange(10) for _ in range(14)]
+            total = sum((d * 2 - 9 if d * 2 > 9 else d * 2) if i % 2 == 0 else d for i, d in enumerate(reversed(digits)))
+            number = "".join(map(str, digits + [(10 - total % 10) % 10]))
+            return " ".join(number[i:i + 4] for i in range(0, 16, 4))
+        jwt = "eyJ%s.eyJ%s.%s" % (word(20), word(30), word(43))
+        secrets = {"stripe key": "sk_live_" + word(24), "github token": "ghp_" + word(36), "slack token": "xoxb-" + word(24),
+                   "aws key": "AKIA" + word(16, string.ascii_uppercase + string.digits), "jwt": jwt,
+                   "google api key": "AIza" + word(35), "npm token": "npm_" + word(36), "gitlab token": "glpat-" + word(20),
+                   "sendgrid key": "SG.%s.%s" % (word(22), word(43))}
+        plain = word(24)
+        cases = {"checkout failed Authorization: Bearer %s" % plain: "checkout failed Authorization: Bearer [hidden]",
+                 '{"access_token":"%s","user":"ann"}' % plain: '{"access_token":"[hidden]","user":"ann"}',
+                 "cookie text sid=%s; Path=/" % plain: "cookie text sid=[hidden]; Path=/",
+                 "https://ann:%s@db.example.com/x" % plain: "https://[hidden]@db.example.com/x",
+                 "/cb?jwt=%s&code=%s&pwd=%s&otp=%s&page=2" % (plain, plain, plain, plain):
+                     "/cb?jwt=[hidden]&code=[hidden]&pwd=[hidden]&otp=[hidden]&page=2",
+                 "/reset-password/%s" % plain: "/reset-password/[hidden]",
+                 "/login?next=%%2Fcb%%3Faccess_token%%3D%s%%26state%%3Dok" % plain:
+                     "/login?next=%2Fcb%3Faccess_token%3D[hidden]%26state%3Dok",
+                 "-----BEGIN RSA PRIVATE KEY-----\n%s\n-----END RSA PRIVATE KEY-----" % plain:
+                     "-----BEGIN RSA PRIVATE KEY-----[hidden: private key]-----END RSA PRIVATE KEY-----",
+                 "Card %s expires 12/34" % card(): "Card [hidden: card number] expires 12/34",
+                 "Your verification code is %d" % rng.randrange(100000, 999999):
+                     "Your verification code is [hidden: one-time code]"}
+        cases.update({"failed with %s in it" % value: "failed with [hidden: %s] in it" % name
+                      for name, value in secrets.items()})
+        looks = ["GET /assets/index-4f3a2b1c.js?v=7e1b2c3d 404", "order 1234 5678 9012 3456 shipped",
+                 "/api/orders/3f2a9c1e-4b5d-4e6f-8a7b-9c0d1e2f3a4b", "error code 1001", "?sortKey=name&author=jane",
+                 "the token expired, sign in again", "git 9fceb02d0ae598e95dc970b74767f19372d61af8", "color: #ff0044"]
+        hide = pinbox.hide_secrets
+        for given, kept in list(cases.items()) + [(look, look) for look in looks]:
+            self.assertEqual(hide(given), kept, given)
+            self.assertEqual(hide(kept), kept, kept)  # (the hub sees again what the page hid)
+        node = shutil.which("node")
+        if node is None:
+            print("\n  (the page's copy of the detectors not run: no node)")
+            return
+        atoms = list(secrets.values()) + ["token", "=", "%3D", "Bearer ", "code is ", "://u:p@", '"', "'", " ", "&",
+                                          "#", "?", "/reset/", "[hidden]", card(), "-----BEGIN EC PRIVATE KEY-----"]
+        texts = list(cases) + looks + ["".join(rng.choice(atoms) for _ in range(rng.randrange(1, 10)))
+                                       for _ in range(2000)]
+        script = ("global.window = global; global.document = {currentScript: null}; global.addEventListener = () => {};"
+                  "eval(%s); const texts = JSON.parse(require('fs').readFileSync(0, 'utf8'));"
+                  "process.stdout.write(JSON.stringify(texts.map((t) => window.__pinboxEvidence.hide(t))));"
+                  % json.dumps(pinbox.EARLY_JS))
+        out = subprocess.run([node, "-e", script], input=json.dumps(texts).encode(), stdout=subprocess.PIPE, check=True)
+        page = json.loads(out.stdout)
+        self.assertEqual([(t, p) for t, p in zip(texts, page) if p != hide(t)], [])
+
     def test_secret_named_query_values_are_hidden_wherever_they_appear(self):
         hide = pinbox.hide_secrets
         cases = {"http://a/?token=abc&page=2": "http://a/?token=[hidden]&page=2",
@@ -4106,7 +4164,7 @@ class TestEvidenceParts(unittest.TestCase):
                  "GET /api?api_key=k1;sig=s2 failed": "GET /api?api_key=[hidden];sig=[hidden] failed",
                  "at f (http://a/x.js?Session=s:1:2)": "at f (http://a/x.js?Session=[hidden])",
                  "http://a/?PASSWORD=p&Auth=q&x=secret": "http://a/?PASSWORD=[hidden]&Auth=[hidden]&x=secret",
-                 "no query = here": "no query = here", "http://a/?keyboard=qwerty": "http://a/?keyboard=[hidden]"}
+                 "no query = here": "no query = here", "http://a/?keyboard=qwerty": "http://a/?keyboard=qwerty"}
         for given, kept in cases.items():
             self.assertEqual(hide(given), kept, given)
         evidence = {"console": [{"level": "error", "message": "GET /x?token=t1 500", "stack": "at y (http://a/?key=k:1:1)"}],
@@ -4186,9 +4244,6 @@ class TestEvidenceEdges(unittest.TestCase):
         fits["console"][0]["message"] += "x"
         with self.assertRaises(pinbox.PinboxError):
             pinbox.check_evidence(fits)  # one byte more is not
-        # The page's own copy of the rule hides the same names.
-        for name in ("token", "key", "secret", "passw", "auth", "session", "sig"):
-            self.assertIn(name, pinbox.EARLY_JS[pinbox.EARLY_JS.index("var SECRET"):][:200])
 
     def test_a_map_naming_a_source_it_does_not_list_maps_nowhere(self):
         raw = json.dumps({"version": 3, "sources": ["a.js"], "mappings": "ACAA"}).encode()
@@ -5051,13 +5106,14 @@ class TestSecretsNeverKept(BrowserCase):
     def test_a_typed_value_is_never_drawn(self):
         """Two pins on a form's card field, each after a different card number was typed:
         both pictures of the element are the same (the field drawn empty, as its
-        placeholder shows); so are a textarea, a select and an editable region."""
+        placeholder shows); so are a textarea, a select and an editable region, and a
+        card number the page shows is drawn hidden."""
         page = ('<!doctype html><html><head><title>Pay</title><style>input,textarea,select,div{display:block;'
                 'width:300px;height:30px;margin:8px;font:16px sans-serif}</style></head><body><form id="form">'
                 '<input id="card" autocomplete="cc-number" placeholder="Card number">'
                 '<textarea id="note" placeholder="Note"></textarea><select id="plan"><option>Basic</option>'
                 '<option>Premium</option></select><div id="edit" contenteditable="true"></div>'
-                '<input type="submit" value="Pay now"></form></body></html>')
+                '<p id="shown"></p><input type="submit" value="Pay now"></form></body></html>')
         app, _ = fake_app(self, {"/": lambda h: send_plain(h, 200, page.encode(), [("Content-Type", "text/html")])})
         b = self.browser
         b.open(self.ok("open", "http://127.0.0.1:%d" % app, "--no-browser")["url"])
@@ -5065,7 +5121,8 @@ class TestSecretsNeverKept(BrowserCase):
         pictures = []
         for n, (card, note, plan) in enumerate((("4111 1111 1111 1111", "first", 0),
                                                 ("5555 5555 5555 4444", "second words", 1)), 1):
-            b.evaluate("document.getElementById('form').reset(), document.getElementById('edit').textContent = '', 1")
+            b.evaluate("document.getElementById('form').reset(), document.getElementById('edit').textContent = '', "
+                       "document.getElementById('shown').textContent = 'Card on file: %s', 1" % card)  # (shown: masked)
             for field, text in (("card", card), ("note", note), ("edit", note + " edited")):
                 b.click_at("document.getElementById('%s')" % field)
                 b.type_text(text)
@@ -5127,8 +5184,13 @@ class TestSecretsNeverKept(BrowserCase):
         body, _ = pinbox.webhook_request({"seq": 1, "type": "pin.created", "at": pin["createdAt"], "payload": pin},
                                          {"id": "ses_x", "agent": "claude", "key": "k"}, "d-1", "s3cret",
                                          context=context)
+        self.assert_written_nowhere(self.SECRETS, [context.encode(), body], remote, "The title should say whose account")
+
+    def assert_written_nowhere(self, secrets, sent, remote, pin_text):
+        """None of `secrets` in what was `sent` (the agent's context, a webhook's body), the
+        hub's log, any file pinbox wrote, or any object of the sync refs, here and pushed."""
         self.proc.terminate()
-        written = [context.encode(), body] + list(self.proc.communicate(timeout=10))  # the hub's log
+        written = list(sent) + list(self.proc.communicate(timeout=10))  # the hub's log
         for folder in (self.repo, self.env["HOME"], self.env["XDG_STATE_HOME"]):
             for base, dirs, files in os.walk(folder):
                 dirs[:] = [d for d in dirs if d != ".git"]  # (the remote's objects are read below)
@@ -5140,11 +5202,63 @@ class TestSecretsNeverKept(BrowserCase):
         for repository in (self.repo, remote):  # the sync refs, here and pushed
             objects = subprocess.run(["git", "cat-file", "--batch-all-objects", "--batch"], cwd=repository,
                                      stdout=subprocess.PIPE, check=True).stdout
-            self.assertIn(b"The title should say whose account", objects)  # the pin did travel
+            self.assertIn(pin_text.encode(), objects)  # the pin did travel
             written.append(objects)
         everything = b"\0".join(written)
-        for secret in self.SECRETS:
+        for secret in secrets:
             self.assertNotIn(secret.encode(), everything, secret)
+
+    def test_every_shape_of_secret_a_page_logs_or_shows_appears_nowhere(self):
+        """The leaks a red-team pass found, planted as it planted them, with secrets made
+        anew each run: console text, request addresses, the element's text and nearby
+        words, the page's title. Each keeps a marker of what was there."""
+        rng = random.Random()
+        word = lambda n: "".join(rng.choice(string.ascii_letters + string.digits) for _ in range(n))
+        digits = [5, 1] + [rng.randrange(10) for _ in range(13)]
+        total = sum((d * 2 - 9 if d * 2 > 9 else d * 2) if i % 2 == 0 else d for i, d in enumerate(reversed(digits)))
+        card = "".join(map(str, digits + [(10 - total % 10) % 10]))
+        secrets = {"bearer": word(30), "access": word(30), "sid": word(26), "stripe": "sk_live_" + word(24),
+                   "github": "ghp_" + word(36), "slack": "xoxb-" + word(24), "aws": "AKIA" + "".join(
+                       rng.choice(string.ascii_uppercase) for _ in range(16)),
+                   "jwt": "eyJ%s.eyJ%s.%s" % (word(20), word(30), word(40)), "pem": word(64), "password": word(20),
+                   "jwtparam": word(30), "code": word(30), "pwd": word(16), "otpparam": word(12), "reset": word(32),
+                   "nested": word(30), "card": " ".join(card[i:i + 4] for i in range(0, 16, 4)),
+                   "otp": str(rng.randrange(100000, 999999)), "title": "ghp_" + word(36)}
+        page = ('<!doctype html><html><head><title>Billing %(title)s</title></head><body>'
+                '<section><p id="card">Card on file: %(card)s</p><p>Your verification code is %(otp)s</p></section>'
+                '<script>'
+                'console.error("checkout failed", "Authorization: Bearer %(bearer)s");'
+                'console.error(JSON.stringify({access_token: "%(access)s", user: "ann"}));'
+                'console.warn("cookie sid=%(sid)s; Path=/");'
+                'console.error("keys", "%(stripe)s", "%(github)s", "%(slack)s", "%(aws)s", "%(jwt)s");'
+                'console.error("-----BEGIN RSA PRIVATE KEY-----\\n%(pem)s\\n-----END RSA PRIVATE KEY-----");'
+                'console.error("db at https://ann:%(password)s@db.example.com/x");'
+                'fetch("/cb?jwt=%(jwtparam)s&code=%(code)s&pwd=%(pwd)s&otp=%(otpparam)s&page=2");'
+                'fetch("/reset-password/%(reset)s");'
+                'fetch("/login?next=%%2Fcb%%3Faccess_token%%3D%(nested)s%%26state%%3Dok");'
+                '</script></body></html>') % secrets
+        app, _ = fake_app(self, {"/": lambda h: send_plain(h, 200, page.encode(), [("Content-Type", "text/html")])})
+        remote = os.path.join(self.tmp, "remote.git")
+        git(self.tmp, "init", "-q", "--bare", remote)
+        git(self.repo, "remote", "add", "origin", "file://" + remote)
+        b = self.browser
+        b.open(self.ok("open", "http://127.0.0.1:%d" % app, "--no-browser")["url"])
+        b.wait_for("window.__pinboxEvidence.requests.length === 3 && window.__pinboxEvidence.console.length === 6", 10)
+        kept = json.dumps(b.evaluate("window.__pinboxEvidence"))  # the page's record: hidden before anything is sent
+        self.assertEqual([name for name, value in secrets.items() if value in kept], [])
+        drop_pin(b, "document.querySelector('section')", "The card line is cut off")
+        [pin] = self.ok("list")
+        told = self.run_pinbox("session", "inject", "--hook", "--agent", "claude",
+                               stdin=payload("shapes-session", "UserPromptSubmit", self.repo)).out
+        for marker in ("[hidden: card number]", "Bearer [hidden]", "[hidden: stripe key]", "[hidden: github token]"):
+            self.assertIn(marker, json.dumps(pin) + told)
+        self.assertEqual(pin["target"]["name"], "Card on file: [hidden: card number] Your verification code is "
+                                                "[hidden: one-time code]")  # (hidden in the page, before it was sent)
+        self.ok("sync")
+        body, _ = pinbox.webhook_request({"seq": 1, "type": "pin.created", "at": pin["createdAt"], "payload": pin},
+                                         {"id": "ses_x", "agent": "claude", "key": "k"}, "d-1", "s3cret", context=told)
+        self.assert_written_nowhere(list(secrets.values()) + [card], [told.encode(), body], remote,
+                                    "The card line is cut off")
 
 
 # ============================================================================
@@ -5865,7 +5979,7 @@ class TestSync(SyncCase):
     def test_a_teammates_source_line_is_checked_against_this_checkout(self):
         """A teammate's pin names a source as their checkout had it (or as a forger wrote
         it): here it is exact only where this checkout shows the element, and a file out of
-        this checkout is never named."""
+        this checkout is never named. A secret in it is hidden as a page's would be."""
         a, b = self.machines()
         os.makedirs(os.path.join(b.repo, "src"))
         with open(os.path.join(b.repo, "src", "Cart.jsx"), "w") as handle:
@@ -5876,11 +5990,13 @@ class TestSync(SyncCase):
         sent = {"pin_srcmoved01": {"selector": "#buy", "tag": "button", "source": told},
                 "pin_srcgone001": {"selector": "#gone", "tag": "button", "source": dict(told, line=3)},
                 "pin_srcoutside": {"selector": "#buy", "tag": "button", "source": dict(told, file="../../.ssh/id_rsa")}}
-        push_batch(a.repo, eve, [sync_event(eve, n, "pin.created", new_pin_data(pin_id, target=dict(target, url=page)))
-                                 for n, (pin_id, target) in enumerate(sorted(sent.items()), 1)])
+        push_batch(a.repo, eve, [sync_event(eve, n, "pin.created", new_pin_data(
+            pin_id, text="seen with Bearer ghp_" + "x" * 36, target=dict(target, url=page)))
+            for n, (pin_id, target) in enumerate(sorted(sent.items()), 1)])
         self.assertEqual(b.sync()["setAside"], 0)
         sources = {p["id"]: p["target"]["source"] for p in b.ok("list")}
         self.assertEqual((sources["pin_srcmoved01"]["line"], sources["pin_srcmoved01"]["confidence"]), (3, "exact"))
+        self.assertEqual(b.ok("show", "pin_srcmoved01")["pin"]["text"], "seen with Bearer [hidden: github token]")
         self.assertEqual(sources["pin_srcgone001"], {
             "file": "src/Cart.jsx", "via": "framework", "framework": "react", "confidence": "near",
             "why": "no <button> in this file that fits what the page saw"})
@@ -6598,6 +6714,20 @@ class TestHubApi(HubCase):
         error = self.api_error("POST", "/pins", raw=b"{not json", headers={"Content-Type": "application/json"})
         self.assertEqual(error["message"], "request body is not valid JSON")
         self.assertEqual(self.api("GET", "/pins"), [])
+
+    def test_the_hub_hides_what_a_page_did_not(self):
+        """A page without the toolbar's detectors (an old toolbar, a script with the
+        token) sends secrets: the hub hides them before anything is stored."""
+        github = "ghp_" + "".join(random.choice(string.ascii_letters) for _ in range(36))
+        pin = self.post_pin("my key is %s" % github, target={
+            "url": "http://localhost:5173/pay", "tag": "p", "name": "Card 4111 1111 1111 1111",
+            "context": {"nearbyText": "Your verification code is 482913"}}, env={"title": "Token %s" % github})
+        self.assertEqual((pin["text"], pin["target"]["name"], pin["target"]["context"]["nearbyText"], pin["env"]["title"]),
+                         ("my key is [hidden: github token]", "Card [hidden: card number]",
+                          "Your verification code is [hidden: one-time code]", "Token [hidden: github token]"))
+        message = self.api("POST", "/pins/%s/thread" % pin["id"], {"role": "human", "text": "Bearer %s" % github}, 201)
+        self.assertEqual(message["text"], "Bearer [hidden: github token]")
+        self.assertNotIn(github, self.run_pinbox("list", "--json").out + self.run_pinbox("show", pin["id"]).out)
 
     def test_the_page_token_speaks_for_the_person_only(self):
         """With a page's token a script cannot post or resolve as an agent (whatever
