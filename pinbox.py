@@ -2548,9 +2548,8 @@ def message_block(kind, payload, pin, home=""):
                              page_and_files(pin, home))
     if kind == "pin.moved":
         owner = pin.get("agentSession") or {}
-        return ("Pinbox: pin %s moved to %s session %s on %s, which claimed it first — leave it to them. (%s)"
-                % (pin["id"], owner.get("agent"), flat(str(owner.get("key")))[:80],
-                   flat(owner.get("host") or "another machine")[:80], about))
+        return ("Pinbox: pin %s moved to the %s agent on %s, which claimed it first — leave it to them. (%s)"
+                % (pin["id"], flat(str(owner.get("agent") or "other"))[:20], machine_words(owner), about))
     verdict = payload.get("verification") or {}
     if kind == "pin.verified" and verdict.get("outcome") == "accepted":
         head = "Pinbox: the person accepted your fix of pin %s (verified; nothing to do) — %s." % (pin["id"], about)
@@ -3783,7 +3782,8 @@ def source_map_of(app, path, fetch=fetch_from_app):
 def checkout_path(root, name):
     """The repository-relative path of the checkout's file `name` means (an absolute path,
     a path under the app's address, or the end of one), or None: a file outside the
-    repository, a link out of it, a dependency or what git ignores is never source."""
+    repository, a link out of it, git's own (.git/config), a dependency or what git
+    ignores is never source."""
     from urllib.parse import unquote, urlsplit
     if not isinstance(name, str) or not name or len(name) > 2000:
         return None
@@ -3791,7 +3791,7 @@ def checkout_path(root, name):
     path = path[len("/@fs"):] if path.startswith("/@fs/") else path
     real_root = os.path.realpath(root)
     parts = [p for p in path.replace("\\", "/").split("/") if p not in ("", ".")]
-    if ".." in parts or "node_modules" in parts:
+    if ".." in parts or "node_modules" in parts or ".git" in parts:
         return None
     absolute = os.path.realpath(path) if os.path.isabs(path) else None
     candidates = [os.path.relpath(absolute, real_root)] if absolute and absolute.startswith(real_root + os.sep) else []
@@ -4025,17 +4025,30 @@ def outgoing(conn, kind, payload):
         if data.get("attachments"):
             data["attachments"] = [{k: v for k, v in a.items() if k != "path"} for a in data["attachments"]
                                    if isinstance(a, dict)]
+        if isinstance(data.get("agentSession"), dict):
+            data["agentSession"] = shared_binding(data["agentSession"])
         return data
     if kind == "thread.message":
         data = {k: v for k, v in payload.items() if k != "machine"}
         found = find_session(conn, payload.get("session")) if payload.get("session") else None
         if found:
-            data["agentSession"] = {"agent": found["agent"], "key": found["key"]}
+            data["agentSession"] = shared_binding(found)
         return data
     if kind == "pin.bound":
-        return payload
+        return dict(payload, agentSession=shared_binding(payload["agentSession"]))
     field = "resolution" if kind == "pin.resolved" else "verification"
     return {"id": payload.get("id"), field: payload.get(field)}
+
+
+def shared_binding(ref):
+    """An agent session as the team's remote sees it: its agent and a tag that tells it
+    from others (a hash of its key), never the key (it resumes the agent here) nor its
+    folder. A session already shared (a teammate's) keeps its tag."""
+    import hashlib
+    key = str(ref.get("key") or "")
+    if ref.get("device") or key.startswith("tag-"):
+        return {"agent": ref.get("agent"), "key": key}
+    return {"agent": ref.get("agent"), "key": "tag-" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]}
 
 
 def stage_local_events(conn, device):

@@ -5450,6 +5450,11 @@ def push_batch(repo, device, lines, media=None, parent=None, force=False):
     return commit
 
 
+def shared_key(key):
+    """What a teammate's store knows of a session `key` of this machine (a tag)."""
+    return pinbox.shared_binding({"agent": "claude", "key": key})["key"]
+
+
 def sync_event(device, clock, kind, data, at="2026-01-01T00:00:00.000Z"):
     return {"id": "%s.%d" % (device, clock), "clock": clock, "device": device, "type": kind, "at": at, "data": data}
 
@@ -5545,7 +5550,7 @@ class TestSync(SyncCase):
         self.assertEqual([(m["role"], m["text"]) for m in shown["thread"]], [("agent", "rounding fixed in cart.js")])
         self.assertEqual(shown["thread"][0]["machine"]["author"], "B Person <b@example.com>")
         self.assertEqual((shown["pin"]["agentSession"]["agent"], shown["pin"]["agentSession"]["key"]),
-                         ("claude", "kb"))
+                         ("claude", shared_key("kb")))  # (the remote knows a tag of the session, not its key)
         page = [p for p in api("GET", "/pins") if p["id"] == pin["id"]][0]  # what the toolbar is sent
         self.assertEqual(page["status"], "resolved")
         progress = api("GET", "/progress?pin=" + pin["id"])
@@ -5627,7 +5632,8 @@ class TestSync(SyncCase):
         self.assertIn("mine to fix\n", listed.out)
         self.assertIn("(2 open, 1 of the open with another machine's agent)", listed.err)
         shown = b.human("show", theirs["id"]).out
-        self.assertIn("agent     claude session ka on A Person's machine (%s): agents here are not told" % host, shown)
+        self.assertIn("agent     claude session %s on A Person's machine (%s): agents here are not told"
+                      % (shared_key("ka"), host), shown)
         context = b.inject("kb")
         self.assertTrue(context.startswith("Pinbox: 1 open pin(s)."), context)
         self.assertEqual([line for line in context.splitlines() if theirs["id"] in line],
@@ -5695,13 +5701,14 @@ class TestSync(SyncCase):
         a.sync()
         b.sync()
         a.sync()
-        owners = [(p["agentSession"]["agent"], p["agentSession"]["key"]) for p in (a.ok("show", pin["id"])["pin"],
-                                                                                  b.ok("show", pin["id"])["pin"])]
+        owners = [(p["agentSession"]["agent"], shared_key(p["agentSession"]["key"]))
+                  for p in (a.ok("show", pin["id"])["pin"], b.ok("show", pin["id"])["pin"])]
         self.assertEqual(owners[0], owners[1])
-        loser, lost_key = (b, "kb") if owners[0][1] == "ka" else (a, "ka")
+        loser, lost_key = (b, "kb") if owners[0][1] == shared_key("ka") else (a, "ka")
         winner, won_key = (a, "ka") if loser is b else (b, "kb")
         told = loser.inject(lost_key)
-        self.assertIn("moved to claude session %s" % won_key, told)
+        self.assertIn("moved to the claude agent on %s Person's machine (%s), which claimed it first"
+                      % (winner.name.upper(), socket.gethostname()), told)
         self.assertNotIn("moved", loser.inject(lost_key))  # told once
         self.assertEqual([line for line in loser.inject(lost_key).splitlines() if pin["id"] in line], [
             "Not yours — leave these to the agent that has them: %s with claude on %s Person's machine (%s)." % (
@@ -5989,7 +5996,8 @@ class TestSync(SyncCase):
                 "confidence": "exact"}
         sent = {"pin_srcmoved01": {"selector": "#buy", "tag": "button", "source": told},
                 "pin_srcgone001": {"selector": "#gone", "tag": "button", "source": dict(told, line=3)},
-                "pin_srcoutside": {"selector": "#buy", "tag": "button", "source": dict(told, file="../../.ssh/id_rsa")}}
+                "pin_srcoutside": {"selector": "#buy", "tag": "button", "source": dict(told, file="../../.ssh/id_rsa")},
+                "pin_srcgitconf": {"selector": "#buy", "tag": "button", "source": dict(told, file=".git/config")}}
         push_batch(a.repo, eve, [sync_event(eve, n, "pin.created", new_pin_data(
             pin_id, text="seen with Bearer ghp_" + "x" * 36, target=dict(target, url=page)))
             for n, (pin_id, target) in enumerate(sorted(sent.items()), 1)])
@@ -6001,6 +6009,26 @@ class TestSync(SyncCase):
             "file": "src/Cart.jsx", "via": "framework", "framework": "react", "confidence": "near",
             "why": "no <button> in this file that fits what the page saw"})
         self.assertEqual(sources["pin_srcoutside"], {"framework": "react", "confidence": "unverified"})
+        self.assertEqual(sources["pin_srcgitconf"], {"framework": "react", "confidence": "unverified"})  # git's own
+
+    def test_a_bound_pin_travels_without_its_sessions_key_or_folder(self):
+        """The remote every teammate fetches learns which agent has a pin and on which
+        machine, never the session's key (it resumes the agent) nor the project's folder."""
+        a, b = self.machines()
+        key = "%08x-private-session" % random.getrandbits(32)
+        made = a.ok("pin", "bound on a")
+        a.inject(key)
+        a.ok("reply", made["id"], "on it", "--as", "agent", "--session", "claude:" + key)
+        a.sync()
+        objects = subprocess.run(["git", "cat-file", "--batch-all-objects", "--batch"], cwd=self.remote,
+                                 stdout=subprocess.PIPE, check=True).stdout
+        self.assertIn(b"bound on a", objects)
+        self.assertNotIn(key.encode(), objects)
+        self.assertNotIn(os.path.realpath(a.repo).encode(), objects)
+        self.assertNotIn(a.repo.encode(), objects)
+        b.sync()
+        ref = b.ok("show", made["id"])["pin"]["agentSession"]
+        self.assertEqual((ref["agent"], ref["key"], "cwd" in ref), ("claude", shared_key(key), False))
 
     def test_events_belong_to_the_ref_they_arrive_on(self):
         a, b = self.machines()
@@ -6033,7 +6061,7 @@ class TestSync(SyncCase):
         a.sync()
         for machine in (a, b):
             shown = machine.ok("show", made["id"])
-            self.assertEqual(shown["pin"]["agentSession"]["key"], "ka", machine.name)
+            self.assertEqual(shown["pin"]["agentSession"]["key"], "ka" if machine is a else shared_key("ka"), machine.name)
             self.assertEqual([m["text"] for m in shown["thread"]], ["eve's fair reply", "once"], machine.name)
             self.assertNotIn("pin_nodevice01", [p["id"] for p in machine.ok("list")])
         reasons = [r[0] for r in a.sql("SELECT reason FROM sync_rejects ORDER BY id")]
