@@ -11821,6 +11821,11 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     if (pin.after) notes.push(afterWords(pin.after));
     else if (resolved && state.afterWaits[pin.id]) notes.push('After the fix: ' + state.afterWaits[pin.id] +
       ' — pull, then reload this page');
+    else if (needsAfter(pin, true) && !needsAfter(pin)) {
+      notes.push(h('button', { type: 'button', class: 'link', 'data-pinbox': 'check-fix',
+        title: 'Take a picture of the element as it is now, beside the one pinned',
+        onclick: () => recordAfter(pin, findAgain(pin.target || {})) }, 'Check the fix'));
+    }
     // Never redrawn for the same pin: an update would fold the evidence the person
     // opened, or swap the Copy button mid-click.
     if (ui.found.getAttribute('data-for') !== pin.id) {
@@ -12472,10 +12477,12 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   // selector, else its tag and accessible name, else what is at its spot) and drawn as
   // it is now, the "after" beside the person's "before", with the console errors now.
   // The app's first render may come late: it is looked for a few times before it counts
-  // as gone.
+  // as gone. Only the person's own pins are looked at by themselves: a teammate's (synced,
+  // `machine`) waits for a click on "Check the fix" — nothing a teammate sends makes this
+  // page take a picture.
   const AFTER_TRIES = 10;
-  function needsAfter(pin) {
-    return pin.status === 'resolved' && !pin.verification && onThisPage(pin) &&
+  function needsAfter(pin, asked) {
+    return pin.status === 'resolved' && !pin.verification && onThisPage(pin) && (asked || !pin.machine) &&
       !(((pin.after && pin.after.at) || '') >= ((pin.resolution || {}).at || '~'));
   }
   function findAgain(t) {
@@ -12492,7 +12499,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     return at && t.tag && at.tagName.toLowerCase() === t.tag && !ui.host.contains(at) ? at : null;
   }
   function lookAfterFixes(tries) {
-    const due = Array.from(state.pins.values()).filter(needsAfter);
+    const due = Array.from(state.pins.values()).filter((pin) => needsAfter(pin));
     if (due.some((pin) => !findAgain(pin.target || {})) && tries < AFTER_TRIES) {
       setTimeout(guard(() => lookAfterFixes(tries + 1)), 300);
       return;

@@ -3715,7 +3715,8 @@ class TestTheLoopOnThePage(BrowserCase):
         self.labels, self.offset = {"buy": "Buy", "pay": "Pay"}, 0
         pages = {"/shop": lambda h: send_plain(h, 200, self.shop_page().encode(), [("Content-Type", "text/html")])}
         app, _ = fake_app(self, pages)
-        self.url = self.ok("open", "http://127.0.0.1:%d" % app, "--no-browser")["url"].rstrip("/") + "/shop"
+        self.app = "http://127.0.0.1:%d" % app
+        self.url = self.ok("open", self.app, "--no-browser")["url"].rstrip("/") + "/shop"
 
     def shop_page(self):
         return ('<!doctype html><html><head><title>Shop</title></head><body style="margin:40px">'
@@ -3766,6 +3767,42 @@ class TestTheLoopOnThePage(BrowserCase):
         git(self.repo, "merge", "-q", "--ff-only", "teammate")  # the pull
         b.open(self.url)
         after = eventually(lambda: self.ok("show", pin["id"])["pin"].get("after"), 15, "the after picture, pulled")
+        self.assertTrue(after["found"])
+
+    def test_a_teammates_resolved_pin_is_looked_at_only_when_clicked(self):
+        """Two forged events on a teammate's ref (a pin on this page, and its resolution)
+        make the page take no picture by itself, and the next sync pushes nothing of it;
+        the person's own resolved pin still gets its after picture; "Check the fix" on
+        the teammate's takes it then."""
+        remote = os.path.join(self.tmp, "remote.git")
+        git(self.tmp, "init", "-q", "--bare", remote)
+        git(self.repo, "remote", "add", "origin", "file://" + remote)
+        self.ok("sync")
+        eve = "dev_eveeveeve5"
+        forged = new_pin_data("pin_forgedpin1", text="look at this", target={
+            "url": self.app + "/shop", "selector": "#intro", "tag": "p"})
+        push_batch(self.repo, eve, [sync_event(eve, 1, "pin.created", forged, at="2026-12-01T00:00:00.000Z"),
+                                    sync_event(eve, 2, "pin.resolved", {"id": "pin_forgedpin1", "resolution": {
+                                        "by": "agent", "at": "2026-12-01T00:00:01.000Z"}})])
+        self.ok("sync")
+        self.assertEqual(self.ok("show", "pin_forgedpin1")["pin"]["status"], "resolved")
+        b = self.browser
+        b.open(self.url)
+        drop_pin(b, "document.getElementById('buy')", "my own pin")
+        mine = [p for p in self.ok("list") if p["text"] == "my own pin"][0]
+        self.ok("resolve", mine["id"], "--as", "agent")
+        b.open(self.url)  # (the teammate's pin comes first in the page's order: looked at first, were it due)
+        eventually(lambda: self.ok("show", mine["id"])["pin"].get("after"), 15, "my own pin's after picture")
+        self.assertNotIn("after", self.ok("show", "pin_forgedpin1")["pin"])
+        self.ok("sync")
+        pushed = subprocess.run(["git", "cat-file", "--batch-all-objects", "--batch"], cwd=remote,
+                                stdout=subprocess.PIPE, check=True).stdout.split(b"\n")
+        afters = [line for line in pushed if b'"type":"pin.after"' in line]
+        self.assertEqual([mine["id"].encode() in line for line in afters], [True])  # mine went; none of the teammate's
+        b.click_at(toolbar_element('[data-pinbox="marker"][data-pin-id="pin_forgedpin1"]'))
+        b.wait_for("!!(%s)" % toolbar_element('[data-pinbox="check-fix"]'))
+        b.click_at(toolbar_element('[data-pinbox="check-fix"]'))
+        after = eventually(lambda: self.ok("show", "pin_forgedpin1")["pin"].get("after"), 15, "the after, on a click")
         self.assertTrue(after["found"])
 
     def test_before_and_after_a_fix_then_accept_and_reopen(self):
