@@ -1758,13 +1758,25 @@ def record_after(store, handle, after):
 
 def nudge_pin(store, handle):
     """The person asks again about an open pin nobody answered: an event the ledger
-    routes like new work (the session's next context, first; an ended one woken)."""
+    routes like new work (the session's next context, first; an ended one woken). Only
+    a stale pin, once: PINBOX_STALE_MS since it was made, last nudged or last answered
+    by an agent (a page asking again and again never resumes an agent again and again)."""
+    stale = env_number("PINBOX_STALE_MS", 600000) / 1000.0
     with store.write() as conn:
         pin = find_pin(conn, handle, named=True)
         if pin.get("status") != "open" or pin.get("intent") == "note":
             raise PinboxError("E_CONFLICT", "%s is not an open task" % pin["id"], "only an open task can be nudged")
+        answered = conn.execute("SELECT MAX(at) FROM thread_messages WHERE pin_id = ? AND "
+                                "json_extract(json, '$.role') = 'agent'", (pin["id"],)).fetchone()[0]
+        last = max(t for t in (pin.get("createdAt"), pin.get("nudgedAt"), answered) if isinstance(t, str))
+        if (parse_iso(last) or 0) > time.time() - stale:
+            raise PinboxError("E_CONFLICT", "%s was made, nudged or answered less than %s ago" % (
+                pin["id"], "%d s" % stale if stale < 120 else "%d min" % (stale // 60)),
+                "a nudge is for a pin nobody has answered for a while (PINBOX_STALE_MS)")
         at = iso_time()
-        record_event(conn, "pin.nudged", at, dict(ordered(pin, PIN_KEYS), nudgedAt=at))
+        pin["nudgedAt"] = at
+        conn.execute("UPDATE pins SET json = ? WHERE id = ?", (dumps_compact(ordered(pin, PIN_KEYS)), pin["id"]))
+        record_event(conn, "pin.nudged", at, ordered(pin, PIN_KEYS))
     return pin
 
 

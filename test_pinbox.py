@@ -2227,6 +2227,17 @@ class TestRouting(HookCase):
         self.assertIn("are you there?", self.inject("k1"))  # the session comes back and pulls it
 
 
+def nudged(store, pin_id):
+    """Whether a nudge of the pin was taken (False: too soon after the last)."""
+    try:
+        pinbox.nudge_pin(store, pin_id)
+        return True
+    except pinbox.PinboxError as err:
+        if "less than" not in err.message:
+            raise
+        return False
+
+
 class TestNotesVerdictsNudges(HookCase):
     """What a note, a person's verdict and a nudge do to the agent's context and the ledger."""
 
@@ -2299,8 +2310,8 @@ class TestNotesVerdictsNudges(HookCase):
         from unittest import mock
         store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
         try:
-            with mock.patch.dict(os.environ, PATH=self.env["PATH"]):  # (as the hub that takes a nudge would)
-                pinbox.nudge_pin(store, pin["id"])  # and so does a nudge
+            with mock.patch.dict(os.environ, PATH=self.env["PATH"], PINBOX_STALE_MS="1"):  # (as the hub that takes
+                eventually(lambda: nudged(store, pin["id"]), 5, "a nudge")  # and so does a nudge  a nudge would)
         finally:
             store.close()
         self.assertEqual(self.sql("SELECT d.adapter, d.status, d.due_at IS NULL FROM deliveries d JOIN events e ON "
@@ -2373,10 +2384,15 @@ class TestNotesVerdictsNudges(HookCase):
         older = self.pin("Search box loses focus")
         self.pin("Footer links wrap")
         self.inject("k1")
+        from unittest import mock
         store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
         try:
-            pinbox.nudge_pin(store, older["id"])
-            pinbox.nudge_pin(store, older["id"])  # each nudge is its own event and ledger row
+            with self.assertRaises(pinbox.PinboxError) as fresh:
+                pinbox.nudge_pin(store, older["id"])  # made a moment ago: not stale (PINBOX_STALE_MS, 10 min)
+            self.assertIn("less than 10 min ago", fresh.exception.message)
+            with mock.patch.dict(os.environ, PINBOX_STALE_MS="1"):  # (stale after 1 ms)
+                for _ in range(2):  # each nudge is its own event and ledger row
+                    eventually(lambda: nudged(store, older["id"]), 5, "a nudge")
         finally:
             store.close()
         context = self.inject("k1")
@@ -6793,6 +6809,27 @@ class TestHubApi(HubCase):
         message = self.api("POST", "/pins/%s/thread" % pin["id"], {"role": "human", "text": "Bearer %s" % github}, 201)
         self.assertEqual(message["text"], "Bearer [hidden: github token]")
         self.assertNotIn(github, self.run_pinbox("list", "--json").out + self.run_pinbox("show", pin["id"]).out)
+
+    def test_a_nudge_is_for_a_stale_pin_once_however_many_ask(self):
+        """POST /pins/:id/nudge right after a pin is made is refused; on a pin nobody
+        answered for PINBOX_STALE_MS (10 min), 30 at once are one nudge and one wake-up."""
+        pin = self.post_pin("Nobody answers")
+        self.api_error("POST", "/pins/%s/nudge" % pin["id"], status=409, code="E_CONFLICT")
+        conn = sqlite3.connect(os.path.join(self.repo, ".pinbox", "pinbox.db"))  # (made an hour ago)
+        with conn:
+            raw = conn.execute("SELECT json FROM pins WHERE id = ?", (pin["id"],)).fetchone()[0]
+            conn.execute("UPDATE pins SET json = ? WHERE id = ?", (json.dumps(dict(
+                json.loads(raw), createdAt=pinbox.iso_time(time.time() - 3600))), pin["id"]))
+        conn.close()
+        answers = []
+        threads = [threading.Thread(target=lambda: answers.append(self.request("POST", "/pins/%s/nudge" % pin["id"])[0]))
+                   for _ in range(30)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        self.assertEqual(sorted(answers), [201] + [409] * 29)
+        self.assertEqual(self.sql("SELECT COUNT(*) FROM events WHERE type = 'pin.nudged'"), [(1,)])
 
     def test_the_page_token_speaks_for_the_person_only(self):
         """With a page's token a script cannot post or resolve as an agent (whatever
