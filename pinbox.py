@@ -3621,18 +3621,22 @@ SOURCE_MAP_LIMIT = 16 * 1024 * 1024  # the largest module or map fetched from th
 BASE64_DIGITS = {c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")}
 # Where a stack names a position in a module: at its address, or in a module webpack
 # evaluated (Next.js's dev server gives its map at NEXT_SOURCE_MAP).
-STACK_FRAME = r"(https?://[^\s()'\"<>]+?|webpack-internal:///[^\s'\"<>]+?):(\d{1,9}):(\d{1,9})"
+STACK_FRAME = r"(https?://[^\s()'\"<>]{1,2000}?|webpack-internal:///[^\s'\"<>]{1,2000}?):(\d{1,9}):(\d{1,9})"
 NEXT_SOURCE_MAP = "/__nextjs_source-map?filename="
 
 
 def segment_values(segment):
-    """The whole numbers of one segment of `mappings`, or KeyError: not Base64 VLQ."""
+    """The whole numbers of one segment of `mappings`, or KeyError: not Base64 VLQ. A
+    number runs to 7 digits at most (32 bits and a sign): a longer run is no map's, and
+    would make each digit cost more than the last."""
     values, value, shift = [], 0, 0
     for char in segment:
         digit = BASE64_DIGITS[char]
         value += (digit & 31) << shift
         if digit & 32:
             shift += 5
+            if shift > 30:
+                raise KeyError(segment[:20])
             continue
         values.append(-(value >> 1) if value & 1 else value >> 1)
         value = shift = 0
@@ -3672,6 +3676,8 @@ class SourceMap:
         for segment in row.split(","):
             values = known.get(segment)
             if values is None:
+                if len(known) > 100000:  # (a map of ever new segments: the memory stays bounded)
+                    known.clear()
                 values = known[segment] = segment_values(segment)
             yield values
 
@@ -3849,7 +3855,7 @@ def place_element(lines, target, line=None, template_only=False):
     ident = selector[1:] if re.fullmatch(r"#[\w-]+", selector) else None
     text = ((target.get("context") or {}).get("nearbyText") or target.get("name") or "")[:40].strip()
     own = (target.get("name") or "")[:80].strip().lower()  # its accessible name: its own text, for a button
-    classes = (target.get("context") or {}).get("classes") or []
+    classes = ((target.get("context") or {}).get("classes") or [])[:20]
     repeated = (target.get("context") or {}).get("repeated")  # among siblings like it: a list's item
 
     def read(i):
@@ -5086,8 +5092,9 @@ def page_evidence(hub, fields, map_position):
     evidence = fields.get("evidence") or {}
     page = urlsplit(fields["target"].get("url") or "")
     for entry in evidence.get("console") or ():
+        entry["message"] = entry["message"][:1000]  # (the page's own cuts, kept whatever sent it: work is bounded)
         if entry.get("stack"):
-            entry["stack"] = map_stack(entry["stack"], map_position, hub.root, page.scheme + "://" + page.netloc)
+            entry["stack"] = map_stack(entry["stack"][:4000], map_position, hub.root, page.scheme + "://" + page.netloc)
     requests = [dict(r, url=hub.app_address(r["url"])) for r in evidence.get("requests") or ()]
     # What the proxy carried fills in what the page could not tell (a picture that did
     # not load has no status in the page), and adds what the page did not see.

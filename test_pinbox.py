@@ -4271,6 +4271,52 @@ class TestEvidenceParts(unittest.TestCase):
         self.assertNotIn("\nPinbox:", pinbox.agent_pin_line(pin))
 
 
+class TestSourceMapLimits(HubCase):
+    """Maps an app serves are hostile until decoded: their work is bounded in time and
+    memory (a run of VLQ digits once cost each digit more than the last: 300,000 took
+    12 s; four pins naming a 15 MB map took 4.8 GB)."""
+
+    def peak_rss_mib(self):
+        with open("/proc/%d/status" % self.proc.pid) as handle:
+            return int(next(line for line in handle if line.startswith("VmHWM:")).split()[1]) // 1024
+
+    def test_hostile_and_huge_maps_cost_bounded_time_and_memory(self):
+        import base64
+        if not os.path.exists("/proc/self/status"):
+            self.skipTest("reads the hub's peak memory from /proc (Linux)")
+        inline = lambda mappings: ("code();\n//# sourceMappingURL=data:application/json;base64,%s\n" % base64.b64encode(
+            json.dumps({"version": 3, "sources": ["src/a.js"], "mappings": mappings}).encode()).decode()).encode()
+        import itertools  # 15 MB of segments, each unlike the others (5 one-digit numbers)
+        segments = ("".join(p) for p in itertools.product("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdef", repeat=5))
+        segments = list(itertools.islice(segments, 2500000))
+        rows = [",".join(segments[i:i + 10]) for i in range(0, len(segments), 10)]
+        big = json.dumps({"version": 3, "sources": ["src/big.js"], "mappings": ";".join(rows)}).encode()
+        served = {"/slash300k.js": inline("/" * 300000), "/slash600k.js": inline("/" * 600000),
+                  "/big.js": b"code();\n//# sourceMappingURL=big.js.map\n", "/big.js.map": big}
+        app, _ = fake_app(self, {path: (lambda h, body=body: send_plain(h, 200, body, [(
+            "Content-Type", "application/javascript")])) for path, body in served.items()})
+        origin = "http://127.0.0.1:%d" % app
+        self.ok("open", origin, "--no-browser")
+
+        def pin(module, line):
+            return self.request("POST", "/pins", {"text": "x", "author": {"userId": "u"}, "target": {
+                "url": origin + "/", "tag": "h1", "source": {"via": "framework", "framework": "react", "frame": {
+                    "url": origin + module, "line": line, "column": 1}}}})[0]
+        for module in ("/slash300k.js", "/slash600k.js"):
+            started = time.monotonic()
+            self.assertEqual(pin(module, 1), 201)
+            self.assertLess(time.monotonic() - started, 15, module)  # (a hang guard: linear work is well under 1 s)
+        self.assertLess(self.peak_rss_mib(), 400)
+        answers = []
+        threads = [threading.Thread(target=lambda: answers.append(pin("/big.js", len(rows) - 1))) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        self.assertEqual(answers, [201] * 4)
+        self.assertLess(self.peak_rss_mib(), 600)
+
+
 class TestEvidenceEdges(unittest.TestCase):
     """The edges a set of one-line mutants of the evidence code found no test standing on."""
 
