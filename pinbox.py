@@ -905,6 +905,13 @@ def record_event(conn, kind, at, payload, routed=True):
     return seq
 
 
+def rewrite_pin_events(conn, pin_id, change):
+    """The log is append-only but for this: a pin's events' payloads passed through
+    `change` (a redaction takes back what leaked into them)."""
+    for seq, raw in conn.execute("SELECT seq, payload FROM events WHERE type LIKE 'pin.%' AND "
+                                 "json_extract(payload, '$.id') = ?", (pin_id,)).fetchall():
+        conn.execute("UPDATE events SET payload = ? WHERE seq = ?", (dumps_compact(change(json_loads(raw))), seq))
+
 
 def deliverable_pin(kind, payload):
     """The pin an event should reach an agent about, or None. Agents are never sent
@@ -4016,7 +4023,7 @@ def position_mapper(app_for, budget=10.0):
 # agree. No branch, index or work tree is ever touched.
 SYNC_DEVICE_REFS = "refs/pinbox/devices/"
 SYNC_FETCHED_REFS = "refs/pinbox/fetched/"
-SYNCED_EVENTS = ("pin.created", "thread.message", "pin.resolved", "pin.verified", "pin.after")
+SYNCED_EVENTS = ("pin.created", "thread.message", "pin.resolved", "pin.verified", "pin.after", "pin.redacted")
 MEDIA_EVENTS = ("pin.created", "pin.after")  # the events whose pictures travel with them
 SYNC_STATUS_KEYS = ("enabled", "remote", "device", "host", "lastSyncAt", "lastError", "waiting", "devices",
                     "setAside", "lastSetAside")
@@ -4054,6 +4061,8 @@ def outgoing(conn, kind, payload):
         return data
     if kind == "pin.bound":
         return dict(payload, agentSession=shared_binding(payload["agentSession"]))
+    if kind == "pin.redacted":
+        return payload
     field = "resolution" if kind == "pin.resolved" else "verification"
     return {"id": payload.get("id"), field: payload.get(field)}
 
@@ -4222,6 +4231,95 @@ def sync_remote(root, wanted):
         return "origin" if "origin" in remotes else remotes[0]
     raise PinboxError("E_INVALID_INPUT", "this repository has several remotes and none is origin",
                       "pick one: pinbox sync --remote <%s>" % "|".join(remotes))
+
+
+# --- Taking back what leaked: a pin's words or pictures redacted --------------------
+# Here, in every record of the pin (its row, its events, its synced events, the search
+# index, the media), and on the remote: this device's ref is written anew from its
+# scrubbed record at the next sync (forced, as always), and a pin.redacted event makes
+# every teammate's store do the same at theirs.
+
+REDACTED = "[redacted]"
+REDACTION = {"words": ("boolean", False), "pictures": (("list", "string"), False)}  # (attachment ids; "*": all)
+
+
+def redacted(data, what):
+    """A pin's record (its row, or an event's data about it) without what `what` takes:
+    its words (text, the element's words, the page's title, what the page saw) and the
+    pictures named (`pictures`: attachment ids, or "*"). The same on every machine."""
+    data = dict(data)
+    gone = set(what.get("pictures") or ())
+    if what.get("words"):
+        if isinstance(data.get("text"), str):
+            data["text"] = REDACTED
+        data.pop("evidence", None)
+        for key in ("target", "env"):
+            if isinstance(data.get(key), dict):
+                data[key] = {k: v for k, v in data[key].items() if k not in ("name", "title", "context")}
+        if isinstance(data.get("after"), dict):
+            data["after"] = {k: v for k, v in data["after"].items() if k not in ("errors", "errorsRemain")}
+    if isinstance(data.get("attachments"), list):
+        data["attachments"] = [a for a in data["attachments"] if not isinstance(a, dict) or not (
+            "*" in gone or a.get("id") in gone or (what.get("words") and a.get("kind") == "evidence"))]
+    if isinstance(data.get("after"), dict) and ("*" in gone or data["after"].get("attachment") in gone):
+        data["after"] = {k: v for k, v in data["after"].items() if k != "attachment"}
+    return data
+
+
+def scrub_pin(conn, store, pin_id, what):
+    """Takes `what` out of every record of the pin in this store (inside the caller's
+    transaction); the media files it named, to remove once the transaction is done."""
+    conn.execute("PRAGMA secure_delete = ON")  # (what is overwritten or freed is zeroed in the file)
+    pin = find_pin(conn, pin_id)
+    files = [media_name(a) for a in pin.get("attachments") or () if a not in redacted(pin, what).get("attachments", [])]
+    conn.execute("UPDATE pins SET json = ? WHERE id = ?", (dumps_compact(redacted(pin, what)), pin_id))
+    if what.get("words") and store.has_fts():
+        conn.execute("DELETE FROM pins_fts WHERE pin_id = ? AND kind = 'pin'", (pin_id,))
+        store.index_text(conn, pin_id, "pin", REDACTED)
+        conn.execute("INSERT INTO pins_fts(pins_fts) VALUES ('optimize')")  # (its old segments merged away)
+    conn.execute("DELETE FROM prompt_context")  # (an agent's kept context, made anew at its next prompt)
+    conn.execute("DELETE FROM sync_rejects WHERE instr(body, ?) > 0", (pin_id,))
+    rewrite_pin_events(conn, pin_id, lambda payload: redacted(payload, what))
+    for event_id, raw in conn.execute("SELECT id, body FROM sync_events WHERE pin_id = ? AND type IN (%s)"
+                                      % ",".join("?" * len(MEDIA_EVENTS)), (pin_id,) + MEDIA_EVENTS).fetchall():
+        event = json_loads(raw)
+        conn.execute("UPDATE sync_events SET body = ? WHERE id = ?",
+                     (dumps_compact(dict(event, data=redacted(event["data"], what))), event_id))
+    return [os.path.join(store.directory, "media", name) for name in files if name]
+
+
+def remove_files(paths):
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def redact_pin(store, handle, text, attachment):
+    """`pinbox redact`: the pin's words (`text`), one picture (`attachment`), or with
+    neither both, taken back here at once, and from the remote at the next sync."""
+    with store.write() as conn:
+        pin = find_pin(conn, handle, named=True)
+        ids = [a.get("id") for a in pin.get("attachments") or ()]
+        if attachment is not None and attachment not in ids:
+            raise invalid("%s has no attachment %s" % (pin["id"], plain(attachment[:40])),
+                          "its attachments: %s" % (", ".join(ids) or "none"))
+        what = {"words": True, "pictures": ["*"]} if not text and attachment is None else \
+            {"words": bool(text), "pictures": [attachment] if attachment else []}
+        files = scrub_pin(conn, store, pin["id"], what)
+        record_event(conn, "pin.redacted", iso_time(), dict(what, id=pin["id"]))
+        set_sync_settings(conn, rewrite=1)  # (this device's ref is written anew at the next sync)
+    remove_files(files)
+    forget_old_pages(store)
+    return dict(what, id=pin["id"], files=len(files))
+
+
+def forget_old_pages(store):
+    """The write-ahead log emptied into the database and cut to nothing: the pages a
+    redaction replaced are nowhere (a reader that holds it open, a hub, can delay it)."""
+    with store.guard():
+        store.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
 # --- One sync: stage, fetch, import, commit, push --------------------------------
@@ -4394,6 +4492,7 @@ SYNC_DATA = {
         True)},
     "pin.bound": {"id": ("string", True), "agentSession": (SYNC_BINDING, True)},
     "pin.after": {"id": ("string", True), "after": (AFTER_RECORD, True), "attachments": (("list", ATTACHMENT), False)},
+    "pin.redacted": dict(REDACTION, id=("string", True)),
 }
 
 
@@ -4482,13 +4581,21 @@ def apply_imported(store, ref_heads, batches, device, set_aside=()):
         rejects = list(set_aside)
         tops = {}
         fresh = []
+        # A teammate who redacted a pin wrote their ref anew: its events come again,
+        # scrubbed; each is the one already here once scrubbed the same way.
+        redactions = {e["data"]["id"]: e["data"] for _, _, _, events in batches for e in events
+                      if e["type"] == "pin.redacted"}
         for sha, author, host, event in ((s, a, h, e) for s, a, h, events in batches for e in events):
             ref = SYNC_DEVICE_REFS + event["device"]
             if event["device"] == device:
                 continue
             known = conn.execute("SELECT body FROM sync_events WHERE id = ?", (event["id"],)).fetchone()
             if known:
-                if not same_event(json_loads(known[0]), event):
+                known = json_loads(known[0])
+                what = redactions.get(event_pin_id(event["type"], event["data"]))
+                if what and event["type"] in MEDIA_EVENTS:
+                    known = dict(known, data=redacted(known["data"], what))
+                if not same_event(known, event):
                     rejects.append((ref, sha, event["id"], "it would replace an event already imported",
                                     dumps_compact(event)[:2000]))
                 continue
@@ -4536,6 +4643,8 @@ def apply_imported(store, ref_heads, batches, device, set_aside=()):
                          "(?, ?, ?, ?, ?, ?)", [r + (iso_time(),) for r in rejects])
         conn.executemany("INSERT INTO sync_imports(ref, commit_sha) VALUES (?, ?) ON CONFLICT(ref) DO UPDATE SET "
                          "commit_sha = excluded.commit_sha", ref_heads)
+    if redactions:
+        forget_old_pages(store)
     return len(fresh), len(rejects)
 
 
@@ -4583,6 +4692,9 @@ def apply_event(conn, store, event, media, appended):
                         (pin_id,)).fetchone()[0]
     if made is None or event["clock"] <= made:
         return "it names %s, which it predates" % pin_id
+    if kind == "pin.redacted":  # (its files go at once: a rolled-back import brings them again with its pin)
+        remove_files(scrub_pin(conn, store, pin_id, data))
+        return True
     if kind == "thread.message":
         if conn.execute("SELECT 1 FROM thread_messages WHERE id = ?", (data["id"],)).fetchone():
             return "message id %s is taken" % data["id"]
@@ -4794,9 +4906,12 @@ def sync_now(root, remote=None, explicit=False, children=None, wait=True):
                 counts = apply_imported(store, [(ref, head)], batches, device, rejects)
                 imported, set_aside = imported + counts[0], set_aside + counts[1]
             resolved = read_new_commits(root, store, remote)
-            if resolved:  # (they leave in this push)
-                with store.write() as conn:
+            with store.write() as conn:
+                if resolved:  # (they leave in this push)
                     stage_local_events(conn, device)
+                rewrite = sync_setting(conn, "rewrite") == "1"
+            if rewrite and ref_head(root, SYNC_DEVICE_REFS + device):  # a redaction: written anew, scrubbed
+                git_call(root, ["update-ref", "-d", SYNC_DEVICE_REFS + device])
             commit, written = commit_batch(root, store, device, host, children)
             pushed = False
             if commit and commit != ref_head(root, "%s%s/%s" % (SYNC_FETCHED_REFS, remote, device)):
@@ -4814,7 +4929,7 @@ def sync_now(root, remote=None, explicit=False, children=None, wait=True):
             clock = int(sync_setting(conn, "clock", "0"))
             # With a commit on this device's ref, the remote now holds it (pushed now or before).
             set_sync_settings(conn, lastSyncAt=iso_time(), lastError="", syncedSeq=last_seq(conn),
-                              pushedClock=clock if commit else sync_setting(conn, "pushedClock", "0"))
+                              pushedClock=clock if commit else sync_setting(conn, "pushedClock", "0"), rewrite=0)
         return {"remote": remote, "device": device, "staged": staged, "imported": imported,
                 "setAside": set_aside, "written": written, "pushed": pushed,
                 "resolvedByCommits": [{"pin": pin_id, "commit": sha} for pin_id, sha in resolved]}
@@ -9108,6 +9223,18 @@ def cmd_reopen(ctx):
                    "by human%s" % (" — " + ctx.args.note if ctx.args.note else ""))
 
 
+def cmd_redact(ctx):
+    done = redact_pin(ctx.store, ctx.args.id, ctx.args.text, ctx.args.attachment)
+    taken = " and ".join(filter(None, ("its words" if done["words"] else "", "all its pictures" if "*" in done[
+        "pictures"] else "picture %s" % done["pictures"][0] if done["pictures"] else "")))
+    with ctx.reader.guard():
+        syncing = sync_setting(ctx.reader.conn, "enabled") == "1"
+    ctx.out.result(done, "%s: %s taken back here (%d file(s) removed)" % (done["id"], taken, done["files"]),
+                   "the next `pinbox sync` writes this device's record on the remote anew without them, and "
+                   "teammates' stores drop them at their next sync" if syncing else "sync is off: nothing of it "
+                   "left this machine through pinbox")
+
+
 def cmd_export(ctx):
     args = ctx.args
     fmt = args.format or ("json" if ctx.out.asked else "md")
@@ -9656,7 +9783,8 @@ HOOK_VERBS = {"register": cmd_session_register, "inject": cmd_session_inject, "p
               "end": cmd_session_end, "trailer": cmd_session_trailer}
 
 # One order for the verbs: this table, the parser, the help and the cmd_* functions.
-VERBS = ("init", "open", "toolbar", "pin", "summary", "list", "show", "reply", "resolve", "verify", "ask", "reopen", "export",
+VERBS = ("init", "open", "toolbar", "pin", "summary", "list", "show", "reply", "resolve", "verify", "ask", "reopen",
+         "redact", "export",
          "sync", "doctor", "mcp", "install", "serve", "stop", "session", "agent")
 
 TOP_HELP = """Usage: pinbox [options] <command> [args]
@@ -9779,6 +9907,14 @@ def build_parser(wanted=None):
     p.add_argument("id")
     p.add_argument("--note", help="why the fix is not right")
     p.set_defaults(run=cmd_reopen)
+
+    p = verb("redact", "take back what leaked: a pin's words or a picture, here and on the remote",
+             "[options] <id>")
+    p.add_argument("id")
+    p.add_argument("--text", action="store_true", help="its words only (text, the element's words, the page's title, "
+                                                       "what the page saw)")
+    p.add_argument("--attachment", metavar="id", help="one picture only (att_…)")
+    p.set_defaults(run=cmd_redact)
 
     p = verb("export", "write pins to stdout as markdown or JSON", "[options]")
     p.add_argument("--format", help="md (default) or json")

@@ -6222,6 +6222,51 @@ class TestSync(SyncCase):
         ref = b.ok("show", made["id"])["pin"]["agentSession"]
         self.assertEqual((ref["agent"], ref["key"], "cwd" in ref), ("claude", shared_key(key), False))
 
+    def test_a_redacted_secret_leaves_the_store_the_remote_and_a_teammates_store(self):
+        """`pinbox redact`: a secret that reached a pin's words and its picture, synced to
+        a teammate, is then nowhere in either store (the database, its log, the media),
+        nor in any object the remote's refs reach; the teammate's sync sets nothing aside."""
+        a, b = self.machines()
+        secret = "leaked%012x" % random.getrandbits(48)  # (lower case, as the search index keeps its words)
+        hub = a.serve()
+        shot = a.api("POST", "/attachments?kind=screenshot", make_png(4, 4, (9, 9, 9)) + secret.encode(),
+                     "image/png")["attachment"]
+        pin = a.api("POST", "/pins", {"text": "the key is %s, in a long log: %s" % (secret, "x" * 6000),  # (pages of
+                                      "author": {"userId": "ann"},                                 # its own)
+                                      "attachments": [shot], "target": {"url": "http://localhost:5173/k", "name": secret}})
+        hub.terminate()
+        hub.wait()
+        a.sync()
+        b.sync()
+        self.assertIn(secret, b.ok("show", pin["id"])["pin"]["text"])  # (it did travel)
+        teammate_hub = b.serve()  # (a hub holds the teammate's store open: its log is not let go by itself)
+        done = a.ok("redact", pin["id"])
+        self.assertEqual((done["words"], done["pictures"], done["files"]), (True, ["*"], 1))
+        a.sync()
+        self.assertEqual(b.sync()["setAside"], 0)
+        for folder in (os.path.join(b.repo, ".pinbox"),):  # with the hub still running
+            for base, _, files in os.walk(folder):
+                for name in files:
+                    with open(os.path.join(base, name), "rb") as handle:
+                        self.assertNotIn(secret.encode(), handle.read(), os.path.join(base, name))
+        teammate_hub.terminate()
+        teammate_hub.wait()
+        for machine in (a, b):
+            shown = machine.ok("show", pin["id"])["pin"]
+            self.assertEqual((shown["text"], shown.get("attachments"), "name" in shown["target"]),
+                             ("[redacted]", [], False), machine.name)
+            self.assertNotIn(secret, machine.run("list", "--search", "key").out)
+            for folder in (os.path.join(machine.repo, ".pinbox"), machine.env["HOME"], machine.env["XDG_STATE_HOME"]):
+                for base, _, files in os.walk(folder):
+                    for name in files:
+                        with open(os.path.join(base, name), "rb") as handle:
+                            self.assertNotIn(secret.encode(), handle.read(), os.path.join(base, name))
+        listing = git(self.remote, "rev-list", "--objects", "--all")
+        objects = subprocess.run(["git", "cat-file", "--batch"], cwd=self.remote, input="".join(
+            line.split()[0] + "\n" for line in listing.splitlines()).encode(), stdout=subprocess.PIPE, check=True).stdout
+        self.assertIn(b"[redacted]", objects)
+        self.assertNotIn(secret.encode(), objects)
+
     def test_events_belong_to_the_ref_they_arrive_on(self):
         a, b = self.machines()
         made = a.ok("pin", "a's pin, bound to a's agent")
