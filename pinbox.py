@@ -1063,6 +1063,16 @@ def due_deliveries(conn, now, limit):
                                           "limit": limit}).fetchall()
 
 
+def last_resume_at(conn, session_id):
+    """When the session was last resumed by a push (None: never)."""
+    return conn.execute("SELECT MAX(delivered_at) FROM deliveries WHERE session_id = ? AND adapter = 'resume' "
+                        "AND status = 'delivered'", (session_id,)).fetchone()[0]
+
+
+def postpone_delivery(conn, row_id, due_at):
+    conn.execute("UPDATE deliveries SET due_at = ?, updated_at = ? WHERE id = ?", (due_at, iso_time(), row_id))
+
+
 def park_delivery(conn, row_id, adapter):
     """Nothing can push to the row's session now: it waits for the session's next pull."""
     conn.execute("UPDATE deliveries SET adapter = ?, due_at = NULL, updated_at = ? WHERE id = ?",
@@ -3006,6 +3016,11 @@ def claim_due(store, owner, limit=32):
                 continue
             if chosen in ("hooks", "none"):
                 park_delivery(conn, row_id, chosen)
+                continue
+            last = last_resume_at(conn, session_id) if chosen == "resume" else None
+            gap = env_number("PINBOX_RESUME_GAP_MS", 60000) / 1000.0
+            if last and (parse_iso(last) or 0) + gap > now:  # (one resume a minute, whatever asks for it)
+                postpone_delivery(conn, row_id, iso_time(parse_iso(last) + gap))
                 continue
             lease = (resume_timeout() if chosen == "resume" else ADAPTER_TIMEOUT_S[chosen]) + 30
             claim = "%s:%s" % (owner, new_id("ses")[4:])  # this claim, not just this hub

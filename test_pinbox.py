@@ -505,6 +505,7 @@ class DeliveryCase(HubCase):
         os.makedirs(self.bin)
         self.env["PATH"] = self.bin + os.pathsep + "/usr/bin:/bin"
         self.env["PINBOX_RETRY_BASE_MS"] = self.RETRY_MS
+        self.env["PINBOX_RESUME_GAP_MS"] = "1"  # (one resume a minute, but for the one test of that)
 
     def fake_binary(self, name, script):
         """An agent CLI stand-in on PATH that logs its argv and folder, then runs `script`."""
@@ -2779,6 +2780,22 @@ class TestQueueRules(DeliveryCase):
         self.assertEqual(spans[::2], ["start", "end"] * 4)  # never two at once
         told = [json.loads(line)["argv"][-1] for line in open(log)]
         self.assertEqual([re.findall(r"news \d", t) for t in told], [[], ["news 0"], ["news 1"], ["news 2"]])
+
+    def test_a_session_is_resumed_at_most_once_a_minute_whatever_asks(self):
+        """A second row for a session resumed a moment ago waits until a minute after
+        that resume (PINBOX_RESUME_GAP_MS), however it came (a reply, a nudge)."""
+        self.fake_binary("claude", "pass")
+        self.env.pop("PINBOX_RESUME_GAP_MS")
+        self.start_hub()
+        self.ended_session()
+        pin = self.bound_pin("resumed once")
+        self.wait_rows(lambda rows: len(rows) == 1 and rows[0][2] == "delivered")
+        self.ok("reply", pin["id"], "and more")
+        later = lambda: self.sql("SELECT due_at FROM deliveries WHERE status = 'pending' AND due_at > ?",
+                                 pinbox.iso_time(time.time() + 30))  # (postponed, not due now)
+        [(due,)] = eventually(later, 10, "the second row postponed")
+        [(delivered,)] = self.sql("SELECT delivered_at FROM deliveries WHERE status = 'delivered'")
+        self.assertAlmostEqual(pinbox.parse_iso(due) - pinbox.parse_iso(delivered), 60, delta=0.01)
 
     def claimed_webhook_row(self, attempts=0):
         """A row bound to an ended session, claimed for a webhook push by `hub-a`."""
