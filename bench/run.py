@@ -990,6 +990,21 @@ def synthetic_map(size):
                        "mappings": ";".join(rows)}).encode(), len(rows)
 
 
+def time_map(raw, base, line, runs):
+    """{"parse": its JSON parsed alone, "resolve": one position at `line` resolved} in ms."""
+    samples = {"parse": [], "resolve": []}
+    for _ in range(max(runs, 20)):
+        started = time.perf_counter()
+        json.loads(raw)
+        samples["parse"].append((time.perf_counter() - started) * 1000)
+        started = time.perf_counter()
+        found = pinbox.SourceMap(raw, base).original(line, 40)
+        samples["resolve"].append((time.perf_counter() - started) * 1000)
+        if not found:
+            raise SystemExit("bench: the position did not resolve in %s" % base)
+    return samples
+
+
 def bench_index_map(runs):
     """An index map as Turbopack serves a chunk (200 modules, 2 MB in all): a position in
     its last module resolved, beside only parsing its JSON."""
@@ -999,16 +1014,7 @@ def bench_index_map(runs):
         sections.append({"offset": {"line": line, "column": 0}, "map": json.loads(raw)})
         line += lines + 3
     raw = json.dumps({"version": 3, "sources": [], "sections": sections}).encode()
-    samples = {"parse": [], "resolve": []}
-    for _ in range(max(runs, 20)):
-        started = time.perf_counter()
-        json.loads(raw)
-        samples["parse"].append((time.perf_counter() - started) * 1000)
-        started = time.perf_counter()
-        found = pinbox.SourceMap(raw, "http://127.0.0.1:3000/_next/static/chunks/app.js").original(line - 4, 40)
-        samples["resolve"].append((time.perf_counter() - started) * 1000)
-        if not found:
-            raise SystemExit("bench: the index map's position did not resolve")
+    samples = time_map(raw, "http://127.0.0.1:3000/_next/static/chunks/app.js", line - 4, runs)
     return [dict(name="%d KB index map, 200 sections: its JSON parsed (floor)" % (len(raw) // 1024),
                  **summarize(samples["parse"])),
             dict(name="  a position in its last section resolved", **summarize(samples["resolve"]))]
@@ -1126,16 +1132,7 @@ def bench_evidence(runs, workdir):
     shop page's load in headless Chromium with the early hook inline at the top of its
     <head>, beside the same page without it, load for load on one server."""
     raw, lines = synthetic_map(2 * 1024 * 1024)
-    samples = {"parse": [], "resolve": []}
-    for _ in range(max(runs, 20)):
-        started = time.perf_counter()
-        json.loads(raw)
-        samples["parse"].append((time.perf_counter() - started) * 1000)
-        started = time.perf_counter()
-        found = pinbox.SourceMap(raw, "http://127.0.0.1:5173/assets/app.js").original(lines - 1, 40)
-        samples["resolve"].append((time.perf_counter() - started) * 1000)
-        if not found:
-            raise SystemExit("bench: the position did not resolve")
+    samples = time_map(raw, "http://127.0.0.1:5173/assets/app.js", lines - 1, runs)
     rows = [dict(name="2 MB source map: its JSON parsed (floor)", **summarize(samples["parse"])),
             dict(name="2 MB source map: a position near its end resolved", **summarize(samples["resolve"]))]
     rows += bench_index_map(runs) + bench_place_element(runs, workdir)
