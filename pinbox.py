@@ -5222,9 +5222,10 @@ def page_evidence(hub, fields, map_position):
     evidence = fields.get("evidence") or {}
     page = urlsplit(fields["target"].get("url") or "")
     for entry in evidence.get("console") or ():
-        entry["message"] = entry["message"][:1000]  # (the page's own cuts, kept whatever sent it: work is bounded)
+        entry["message"] = hub.app_text(entry["message"][:1000])  # (the page's own cuts, kept: work is bounded)
         if entry.get("stack"):
-            entry["stack"] = map_stack(entry["stack"][:4000], map_position, hub.root, page.scheme + "://" + page.netloc)
+            entry["stack"] = map_stack(hub.app_text(entry["stack"][:4000]), map_position, hub.root,
+                                       page.scheme + "://" + page.netloc)
     requests = [dict(r, url=hub.app_address(r["url"])) for r in evidence.get("requests") or ()]
     # What the proxy carried fills in what the page could not tell (a picture that did
     # not load has no status in the page), and adds what the page did not see.
@@ -6622,6 +6623,16 @@ class Hub:
         address = url.split("://", 1)[1]
         rest = address[len(address.split("/")[0].split("?")[0].split("#")[0]):]
         return app + (rest if rest.startswith("/") else "/" + rest)
+
+    def app_text(self, text):
+        """Words a page wrote (a console message, a stack) with every address on a page
+        proxy of this project given as the app's own, as pins name it."""
+        import re
+        if not isinstance(text, str) or "://" not in text:
+            return text
+        apps = {port: origin for origin, port in proxy_ports(self.root).items()}
+        return re.sub(r"http://(?:localhost|127\.0\.0\.1|\[::1\]):(\d{1,5})(?![\d])",
+                      lambda m: apps.get(int(m.group(1)), m.group(0)), text)
 
     def app_target(self, target):
         """A pin's target with its page named by the app's address, when it was made

@@ -4639,7 +4639,8 @@ class TestEvidenceEdges(unittest.TestCase):
 
         def evidence(page, carried):
             hub = types.SimpleNamespace(root=self.root, directory=self.root, app_address=lambda url: url,
-                                        failures_on=lambda url, load: list(carried) if load == "load_one" else [])
+                                        failures_on=lambda url, load: list(carried) if load == "load_one" else [],
+                                        app_text=lambda text: text)
             found = pinbox.page_evidence(hub, {"target": {"url": "http://app/p"}, "evidence": {
                 "requests": page, "load": "load_one"}}, lambda *a: None)
             self.assertNotIn("load", found)  # (for the hub only)
@@ -5203,16 +5204,23 @@ class TestEvidenceInChromium(BrowserCase):
                        [("Content-Type", "text/html")])
         app, _ = fake_app(self, {
             "/": page, "/broken.png": lambda h: send_plain(h, 500, b"no", [("Content-Type", "text/plain")]),
-            "/app.js": lambda h: send_plain(h, 200, b"function tell() {\n  console.error('told by the app')\n}\ntell()\n",
+            "/app.js": lambda h: send_plain(h, 200, b"function tell() {\n  console.error('told by the app')\n}\ntell()\n"
+                                                    b"console.warn('on ' + location.href)\n",
                                             [("Content-Type", "text/javascript")])})
         url = self.ok("open", "http://127.0.0.1:%d" % app, "--no-browser")["url"]
         b = self.browser
         b.open(url)
-        b.wait_for("window.__pinboxEvidence.requests.length === 1 && window.__pinboxEvidence.console.length === 1", 10)
+        b.wait_for("window.__pinboxEvidence.requests.length === 1 && window.__pinboxEvidence.console.length === 2", 10)
         drop_pin(b, "document.getElementById('t')", "first load")
         [first] = self.ok("list")
         self.assertEqual([(r["url"].rsplit("/", 1)[1], r["status"]) for r in first["evidence"]["requests"]],
                          [("broken.png", 500)])  # the page saw no status; the proxy carried it for this load
+        # What the page wrote names the app's address, as the pin does, never the proxy's.
+        told, where = first["evidence"]["console"]
+        proxy_port = url.split(":")[2].split("/")[0]
+        self.assertEqual(where["message"], "on http://127.0.0.1:%d/" % app)
+        self.assertIn("http://127.0.0.1:%d/app.js:2:" % app, told["stack"])
+        self.assertNotIn(":%s/" % proxy_port, json.dumps(first["evidence"]))
         told = [e["params"] for e in b.events if e.get("method") == "Runtime.consoleAPICalled" and
                 [a.get("value") for a in e["params"]["args"]] == ["told by the app"]]
         frames = told[0]["stackTrace"]["callFrames"]
@@ -5227,7 +5235,7 @@ class TestEvidenceInChromium(BrowserCase):
         self.assertEqual(len(source_map["mappings"].split(";")), hook.count("\n") - 2)  # each line of its code mapped
         b.evaluate("location.reload(), 1")
         b.wait_for("document.readyState === 'complete' && !!window.__pinboxEvidence && "
-                   "window.__pinboxEvidence.console.length === 1 && !!document.getElementById('t')", 10)
+                   "window.__pinboxEvidence.console.length === 2 && !!document.getElementById('t')", 10)
         drop_pin(b, "document.getElementById('t')", "second load")
         eventually(lambda: len(self.ok("list")) == 2, 10, "the second pin")
         second = [p for p in self.ok("list") if p["text"] == "second load"][0]
