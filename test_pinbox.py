@@ -6111,8 +6111,8 @@ class TestSync(SyncCase):
         item = "%s.querySelector('[data-pinbox=\"drawer-pin\"]')" % shadow
         browser.wait_for("!!(%s) && (%s).innerText.includes('Delivered to')" % (item, item), timeout=10)
         text = browser.evaluate("(%s).innerText" % item)
-        self.assertIn("claude (ka) on A Person's machine (%s)" % host, text)  # who has it, on which machine
-        self.assertIn("Delivered to claude (ka) on A Person's machine (%s)" % host, text)
+        self.assertIn("claude (%s) on A Person's machine (%s)" % (shared_key("ka")[:8], host), text)  # who has it, where
+        self.assertIn("Delivered to claude (%s) on A Person's machine (%s)" % (shared_key("ka")[:8], host), text)
         a.serve()
         browser.open("http://127.0.0.1:%d/#token=%s" % (a.port, a.token))
         browser.wait_for("document.getElementById('pins').rows.length > 1 && "
