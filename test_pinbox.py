@@ -3821,8 +3821,8 @@ class TestTheLoopOnThePage(BrowserCase):
         self.assertEqual(self.ok("show", "pin_forgedpin1")["pin"]["status"], "resolved")
         b = self.browser
         b.open(self.url)
-        drop_pin(b, "document.getElementById('buy')", "my own pin")
-        mine = [p for p in self.ok("list") if p["text"] == "my own pin"][0]
+        drop_pin(b, "document.getElementById('buy')", "my own pin")  # (the teammate's marker was there: wait for mine)
+        mine = eventually(lambda: next((p for p in self.ok("list") if p["text"] == "my own pin"), None), 10, "my pin")
         self.ok("resolve", mine["id"], "--as", "agent")
         b.open(self.url)  # (the teammate's pin comes first in the page's order: looked at first, were it due)
         eventually(lambda: self.ok("show", mine["id"])["pin"].get("after"), 15, "my own pin's after picture")
