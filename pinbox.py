@@ -10690,6 +10690,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     .msg .who { font-size: 11px; color: var(--muted); font-weight: 600; }
     .msg .text { white-space: pre-wrap; word-wrap: break-word; }
     .msg img, .shots img { max-width: 100%; max-height: 160px; border-radius: 6px; margin-top: 4px; display: block; }
+    .pair { display: grid; grid-template-columns: 1fr 1fr; gap: 6px; align-items: start; }
     .tabs { display: flex; gap: 6px; }
     .tab[aria-selected="true"] { background: var(--accent); border-color: var(--accent); color: #fff; }
     .drawer-list { overflow-y: auto; min-height: 0; flex: 1; display: flex; flex-direction: column; gap: 10px; }
@@ -11931,11 +11932,11 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
 
   // A picture in a thread is framed and named as one (it is no button of the page): what
   // it shows, under it.
-  function attachmentView(a, i, all) {
+  function attachmentView(a, i, all, named) {
     if (a && a.url && (!a.contentType || String(a.contentType).startsWith('image/'))) {
       const shots = (all || []).filter((x) => x && x.kind === 'screenshot');
-      const label = a.kind === 'file' ? 'Image added' : a.kind === 'after' ? 'After the fix' : a.label ? 'Picture of the ' + a.label
-        : shots.length > 1 && shots.indexOf(a) === 0 ? 'Picture of the page' : 'Picture of the element';
+      const label = named || (a.kind === 'file' ? 'Image added' : a.kind === 'after' ? 'After the fix' : a.label ? 'Picture of the ' + a.label
+        : shots.length > 1 && shots.indexOf(a) === 0 ? 'Picture of the page' : 'Picture of the element');
       return h('figure', { class: 'shot-frame', 'data-pinbox': 'picture' }, authImage(a.url, label),
         h('figcaption', null, label));
     }
@@ -12013,12 +12014,19 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       ui.found.setAttribute('data-for', pin.id);
       fill(ui.found, sourceView(pin), evidenceView(pin));
     }
+    // Before and after a fix side by side, each labelled; the notes (a reopen's reason, the
+    // verdict) above the pictures, in view without scrolling.
+    const shots = (pin.attachments || []).filter((a) => a.kind !== 'evidence');
+    const after = shots.find((a) => a.kind === 'after');
+    const before = after && (shots.find((a) => a.label === 'element') || shots.filter((a) => a.kind === 'screenshot').pop());
     fill(ui.meta,
       h('div', { class: 'pintext', 'data-pinbox': 'pin-text' }, pin.text || ''),
       h('code', { title: where(pin) }, where(pin)),
-      (pin.attachments || []).some((a) => a.kind !== 'evidence')
-        ? h('div', { class: 'shots' }, pin.attachments.filter((a) => a.kind !== 'evidence').map(attachmentView)) : null,
-      notes.map((n) => h('div', { class: 'note' }, n)));
+      notes.map((n) => h('div', { class: 'note' }, n)),
+      before ? h('div', { class: 'shots pair', 'data-pinbox': 'before-after' }, attachmentView(before, 0, shots, 'Before'),
+        attachmentView(after, 0, shots, 'After the fix')) : null,
+      shots.some((a) => a !== before && a !== after)
+        ? h('div', { class: 'shots' }, shots.filter((a) => a !== before && a !== after).map(attachmentView)) : null);
     // Swap the buttons only when the status flips: replacing one mid-click would eat the click.
     const want = resolved ? (pin.verification && pin.verification.outcome === 'accepted' ? 'accepted' : 'verify') : 'resolve';
     if (ui.statusButton.getAttribute('data-for') === want) return;

@@ -3877,8 +3877,14 @@ class TestTheLoopOnThePage(BrowserCase):
         b.wait_for("!!(%s)" % toolbar_element('[data-pinbox="accept"]'))
         captions = b.evaluate("Array.from(%s).map(f => f.textContent)" % toolbar_element(
             '[data-pinbox="picture"]').replace("querySelector(", "querySelectorAll("))
-        self.assertIn("After the fix", captions)
-        self.assertIn("Picture of the element", captions)
+        self.assertIn("Picture of the page", captions)
+        pair = toolbar_element('[data-pinbox="before-after"]')
+        self.assertEqual(b.evaluate("Array.from((%s).querySelectorAll('figcaption')).map(f => f.textContent)" % pair),
+                         ["Before", "After the fix"])
+        left, right = b.evaluate("Array.from((%s).querySelectorAll('figure')).map(f => { const r = "
+                                 "f.getBoundingClientRect(); return [r.left, r.top, r.right]; })" % pair)
+        self.assertEqual(left[1], right[1])  # side by side: one row,
+        self.assertGreaterEqual(right[0], left[2])  # the after to the right of the before
         self.assertIn("After the fix: console errors then 0, now 0", b.evaluate(
             "(%s).textContent" % toolbar_element('[data-pinbox="thread"]')))
         b.click_at(toolbar_element('[data-pinbox="accept"]'))
@@ -3893,6 +3899,13 @@ class TestTheLoopOnThePage(BrowserCase):
         b.type_text("Still too dark on my phone")
         b.click_at(toolbar_element('[data-pinbox="reopen"]'))
         eventually(lambda: self.ok("show", pay["id"])["pin"]["status"] == "open", 10, "the reopen")
+        # The reason stays in view in the thread, above the pictures, with no scrolling.
+        meta = toolbar_element('.meta')
+        b.wait_for("(%s).textContent.includes('Still too dark on my phone')" % meta)
+        self.assertTrue(b.evaluate(
+            "(() => { const m = %s, n = Array.from(m.querySelectorAll('.note')).find(x => x.textContent.includes("
+            "'Still too dark')); const a = m.getBoundingClientRect(), r = n.getBoundingClientRect(); "
+            "return m.scrollTop === 0 && r.top >= a.top && r.bottom <= a.bottom; })()" % meta))
         context = self.context()
         self.assertEqual(context.count("the person accepted your fix of pin %s" % buy["id"]), 1)
         at = context.index("Pinbox: a human reopened pin %s" % pay["id"])
