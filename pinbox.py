@@ -3940,7 +3940,7 @@ def angular_template(root, rel, lines):
         if named else None
 
 
-def locate_source(root, target, map_position):
+def locate_source(root, target, map_position, paths=None):
     """A target's `source` as kept: a path of this checkout, its line and column, the
     confidence (exact: the framework or a source map gave the line, or the element is the
     only one that fits; near: the file is right, the line a best guess or missing;
@@ -3958,7 +3958,10 @@ def locate_source(root, target, map_position):
             return ordered(dict(source, confidence=None), tuple(SOURCE))
         return ordered({k: v for k, v in dict(source, why=unknown_source(source, frame), confidence=None if source.get(
             "via") == "unknown" else "unverified").items() if v is not None}, tuple(SOURCE))
-    rel = checkout_path(root, source["file"])
+    paths = {} if paths is None else paths
+    if source["file"] not in paths:
+        paths[source["file"]] = checkout_path(root, source["file"])
+    rel = paths[source["file"]]
     if rel is None:
         return ordered({"framework": source.get("framework"), "components": source["components"],
                         "confidence": "unverified"}, tuple(SOURCE))
@@ -3976,13 +3979,14 @@ def locate_source(root, target, map_position):
     return ordered({k: v for k, v in source.items() if v is not None}, tuple(SOURCE))
 
 
-def place_sources(root, target, map_position=lambda *where: None):
+def place_sources(root, target, map_position=lambda *where: None, paths=None):
     """The target with every source it names checked against this checkout, whoever
     sent it (a page, a teammate's synced pin): its own and its extra elements' (the
-    first 10; past them none is kept)."""
+    first 10; past them none is kept). `paths`: the checkout paths found so far (a sync
+    places thousands of pins, mostly naming the same few files)."""
     for n, each in enumerate([target] + target.get("targets", [])):
         if "source" in each and n <= 10:
-            each["source"] = locate_source(root, each, map_position)
+            each["source"] = locate_source(root, each, map_position, paths)
         elif "source" in each:
             del each["source"]
     return target
@@ -4286,8 +4290,9 @@ def scrub_pin(conn, store, pin_id, what):
     transaction); the media files it named, to remove once the transaction is done."""
     conn.execute("PRAGMA secure_delete = ON")  # (what is overwritten or freed is zeroed in the file)
     pin = find_pin(conn, pin_id)
-    files = [media_name(a) for a in pin.get("attachments") or () if a not in redacted(pin, what).get("attachments", [])]
-    conn.execute("UPDATE pins SET json = ? WHERE id = ?", (dumps_compact(redacted(pin, what)), pin_id))
+    kept = redacted(pin, what)
+    files = [media_name(a) for a in pin.get("attachments") or () if a not in kept.get("attachments", [])]
+    conn.execute("UPDATE pins SET json = ? WHERE id = ?", (dumps_compact(kept), pin_id))
     if what.get("words") and store.has_fts():
         conn.execute("DELETE FROM pins_fts WHERE pin_id = ? AND kind = 'pin'", (pin_id,))
         store.index_text(conn, pin_id, "pin", REDACTED)
@@ -4420,7 +4425,7 @@ def fetched_batches(root, store, remote, device):
     listing = git_text(root, ["for-each-ref", "--format=%(refname) %(objectname)", SYNC_FETCHED_REFS + remote + "/"])
     with store.guard():
         done = dict(store.conn.execute("SELECT ref, commit_sha FROM sync_imports").fetchall())
-    out = []
+    out, paths = [], {}  # (the checkout paths the pins name, looked up once a sync)
     for line in listing.splitlines():
         ref, _, head = line.partition(" ")
         owner = ref.rsplit("/", 1)[-1]
@@ -4446,7 +4451,7 @@ def fetched_batches(root, store, remote, device):
                 set_aside.append((SYNC_DEVICE_REFS + owner, sha, None, "a batch over %d bytes" % EVENTS_BLOB_LIMIT, ""))
             events = []
             for raw in (blob or b"").splitlines():
-                event, reason = read_event(raw, owner, root)
+                event, reason = read_event(raw, owner, root, paths)
                 if reason:
                     set_aside.append((SYNC_DEVICE_REFS + owner, sha, event_id_of(raw), reason,
                                       raw[:2000].decode("utf-8", "replace")))
@@ -4457,7 +4462,7 @@ def fetched_batches(root, store, remote, device):
     return out
 
 
-def read_event(raw, device, root):
+def read_event(raw, device, root, paths=None):
     """(event, None) for a line of a batch that is a whole event of `device`; (None,
     why) for one that is not; (None, None) for a blank line. A pin's source lines are
     checked against this checkout, as a page's are: a teammate's "exact" is not taken
@@ -4475,7 +4480,7 @@ def read_event(raw, device, root):
     except PinboxError as err:
         return None, err.message
     if event["type"] == "pin.created" and event["data"].get("target"):
-        place_sources(root, event["data"]["target"])
+        place_sources(root, event["data"]["target"], paths=paths)
     return event, None
 
 
@@ -5214,6 +5219,17 @@ def page_target(hub, target, map_position):
     return place_sources(hub.root, target, map_position)
 
 
+def app_text(text, apps):
+    """Words a page wrote (a console message, a stack) with every address on a page proxy
+    of this project (`apps`: its port to the app's origin) given as the app's own, as pins
+    name it."""
+    import re
+    if "://" not in text:
+        return text
+    return re.sub(r"http://(?:localhost|127\.0\.0\.1|\[::1\]):(\d{1,5})(?![\d])",
+                  lambda m: apps.get(int(m.group(1)), m.group(0)), text)
+
+
 def page_evidence(hub, fields, map_position):
     """What the page saw, with its stacks mapped to checkout files, the failed answers
     the page proxy carried for it added, and secrets hidden; written beside the pin's
@@ -5221,10 +5237,11 @@ def page_evidence(hub, fields, map_position):
     from urllib.parse import urlsplit
     evidence = fields.get("evidence") or {}
     page = urlsplit(fields["target"].get("url") or "")
+    apps = hub.proxied_apps() if evidence.get("console") else {}
     for entry in evidence.get("console") or ():
-        entry["message"] = hub.app_text(entry["message"][:1000])  # (the page's own cuts, kept: work is bounded)
+        entry["message"] = app_text(entry["message"][:1000], apps)  # (the page's own cuts, kept: work is bounded)
         if entry.get("stack"):
-            entry["stack"] = map_stack(hub.app_text(entry["stack"][:4000]), map_position, hub.root,
+            entry["stack"] = map_stack(app_text(entry["stack"][:4000], apps), map_position, hub.root,
                                        page.scheme + "://" + page.netloc)
     requests = [dict(r, url=hub.app_address(r["url"])) for r in evidence.get("requests") or ()]
     # What the proxy carried fills in what the page could not tell (a picture that did
@@ -6614,6 +6631,10 @@ class Hub:
             return None
         return next((origin for origin, kept in proxy_ports(self.root).items() if kept == port), None)
 
+    def proxied_apps(self):
+        """{a page proxy's port: the origin of the app it serves}, for this project."""
+        return {port: origin for origin, port in proxy_ports(self.root).items()}
+
     def app_address(self, url):
         """An address on a page proxy of this project as the app's own address; any
         other address as it is."""
@@ -6623,16 +6644,6 @@ class Hub:
         address = url.split("://", 1)[1]
         rest = address[len(address.split("/")[0].split("?")[0].split("#")[0]):]
         return app + (rest if rest.startswith("/") else "/" + rest)
-
-    def app_text(self, text):
-        """Words a page wrote (a console message, a stack) with every address on a page
-        proxy of this project given as the app's own, as pins name it."""
-        import re
-        if not isinstance(text, str) or "://" not in text:
-            return text
-        apps = {port: origin for origin, port in proxy_ports(self.root).items()}
-        return re.sub(r"http://(?:localhost|127\.0\.0\.1|\[::1\]):(\d{1,5})(?![\d])",
-                      lambda m: apps.get(int(m.group(1)), m.group(0)), text)
 
     def app_target(self, target):
         """A pin's target with its page named by the app's address, when it was made

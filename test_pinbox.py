@@ -4667,8 +4667,7 @@ class TestEvidenceEdges(unittest.TestCase):
 
         def evidence(page, carried):
             hub = types.SimpleNamespace(root=self.root, directory=self.root, app_address=lambda url: url,
-                                        failures_on=lambda url, load: list(carried) if load == "load_one" else [],
-                                        app_text=lambda text: text)
+                                        failures_on=lambda url, load: list(carried) if load == "load_one" else [])
             found = pinbox.page_evidence(hub, {"target": {"url": "http://app/p"}, "evidence": {
                 "requests": page, "load": "load_one"}}, lambda *a: None)
             self.assertNotIn("load", found)  # (for the hub only)
