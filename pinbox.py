@@ -1710,7 +1710,7 @@ def resolve_pin(store, handle, by, note=None, commit=None, session=None):
     """Marks a pin resolved. A fix that a human rejected earlier (a reopen) is history
     now: the old verification is dropped so the new resolution can be judged afresh."""
     if note is not None:
-        note = clean_text(note, "note")
+        note = hide_secrets(clean_text(note, "note"))
     with store.write() as conn:
         pin = find_pin(conn, handle, named=True)
         pin_id = pin["id"]
@@ -1732,7 +1732,7 @@ def verify_pin(store, handle, outcome, note=None):
     if outcome not in ("accepted", "reopened"):
         raise invalid('invalid outcome: "%s" (expected accepted or reopened)' % outcome)
     if note is not None:
-        note = clean_text(note, "note")
+        note = hide_secrets(clean_text(note, "note"))
     with store.write() as conn:
         pin = find_pin(conn, handle, named=True)
         if pin.get("status") != "resolved":
@@ -1754,6 +1754,7 @@ def verify_pin(store, handle, outcome, note=None):
 def record_after(store, handle, after):
     """The picture of a resolved pin's element after the fix (AFTER_INPUT, its
     attachment the hub's own), once per resolution: with the errors then and now."""
+    now = [hide_secrets(said) for said in after.get("errors") or ()]  # (what the page logs now)
     with store.write() as conn:
         pin = find_pin(conn, handle, named=True)
         if pin.get("status") != "resolved":
@@ -1761,7 +1762,6 @@ def record_after(store, handle, after):
         if (pin.get("after") or {}).get("at", "") >= (pin.get("resolution") or {}).get("at", "~"):
             raise PinboxError("E_CONFLICT", "%s has its after picture already" % pin["id"])
         then = [e["message"] for e in (pin.get("evidence") or {}).get("console") or () if e.get("level") != "warn"]
-        now = after.get("errors") or []
         record = {"at": iso_time(), "found": after["found"], "attachment": (after.get("attachment") or {}).get("id"),
                   "errorsThen": len(then), "errorsNow": len(now), "errors": now[:20] or None,
                   "errorsRemain": sorted(set(then) & set(now))[:20] or None}
@@ -4542,10 +4542,11 @@ def check_event(event, device):
     for key in ("text", "note"):
         for holder in (data, data.get("resolution") or {}, data.get("verification") or {}):
             if holder.get(key) is not None:
-                clean_text(holder[key], key)
+                holder[key] = hide_secrets(clean_text(holder[key], key))
     if event["type"] == "pin.after":
-        for said in (data["after"].get("errors") or []) + (data["after"].get("errorsRemain") or []):
-            clean_text(said, "after.errors")
+        for key in ("errors", "errorsRemain"):
+            if data["after"].get(key):
+                data["after"][key] = [hide_secrets(clean_text(said, "after.errors")) for said in data["after"][key]]
         if [(a["kind"], a["id"]) for a in data.get("attachments") or ()] not in (
                 [], [("after", data["after"].get("attachment"))]):
             raise invalid("data.attachments: an after picture's event carries that picture alone")

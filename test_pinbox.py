@@ -6244,11 +6244,14 @@ class TestSync(SyncCase):
                 "pin_srcgitconf": {"selector": "#buy", "tag": "button", "source": dict(told, file=".git/config")}}
         push_batch(a.repo, eve, [sync_event(eve, n, "pin.created", new_pin_data(
             pin_id, text="seen with Bearer ghp_" + "x" * 36, target=dict(target, url=page)))
-            for n, (pin_id, target) in enumerate(sorted(sent.items()), 1)])
+            for n, (pin_id, target) in enumerate(sorted(sent.items()), 1)] + [sync_event(
+                eve, 9, "pin.resolved", {"id": "pin_srcgone001", "resolution": {
+                    "by": "agent", "note": "key ghp_" + "y" * 36, "at": "2026-01-01T00:00:01.000Z"}})])
         self.assertEqual(b.sync()["setAside"], 0)
         sources = {p["id"]: p["target"]["source"] for p in b.ok("list")}
         self.assertEqual((sources["pin_srcmoved01"]["line"], sources["pin_srcmoved01"]["confidence"]), (3, "exact"))
         self.assertEqual(b.ok("show", "pin_srcmoved01")["pin"]["text"], "seen with Bearer [hidden: github token]")
+        self.assertEqual(b.ok("show", "pin_srcgone001")["pin"]["resolution"]["note"], "key [hidden: github token]")
         self.assertEqual(sources["pin_srcgone001"], {
             "file": "src/Cart.jsx", "via": "framework", "framework": "react", "confidence": "near",
             "why": "no <button> in this file that fits what the page saw"})
@@ -7044,6 +7047,12 @@ class TestHubApi(HubCase):
                           "Your verification code is [hidden: one-time code]", "Token [hidden: github token]"))
         message = self.api("POST", "/pins/%s/thread" % pin["id"], {"role": "human", "text": "Bearer %s" % github}, 201)
         self.assertEqual(message["text"], "Bearer [hidden: github token]")
+        resolved = self.api("POST", "/pins/%s/resolve" % pin["id"], {"by": "human", "note": "key %s" % github})
+        self.assertEqual(resolved["resolution"]["note"], "key [hidden: github token]")
+        after = self.api("POST", "/pins/%s/after" % pin["id"], {"found": False, "errors": ["got %s" % github]}, 201)
+        self.assertEqual(after["after"]["errors"], ["got [hidden: github token]"])
+        verdict = self.api("POST", "/pins/%s/verify" % pin["id"], {"outcome": "reopened", "note": "still %s" % github})
+        self.assertEqual(verdict["verification"]["note"], "still [hidden: github token]")
         self.assertNotIn(github, self.run_pinbox("list", "--json").out + self.run_pinbox("show", pin["id"]).out)
 
     def test_a_nudge_is_for_a_stale_pin_once_however_many_ask(self):
