@@ -6950,7 +6950,10 @@ def hub_files(root):
             os.path.join(folder, "hub.lock"), os.path.join(folder, "server.json"))
 
 
-HUB_POINTER = "hub"  # in this user's state folder for the project: where its hub.json is (`stop --all`)
+# This user's copy of hub.json, in their state folder for the project (where the original
+# pinbox and its tests look, `$XDG_STATE_HOME/pinbox/<id>/hub.json`): `stop --all` reads them.
+def user_hub_json(root):
+    return os.path.join(state_dir(root), "hub.json")
 
 
 def adopt_user_state(root):
@@ -7104,7 +7107,7 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
     except OSError:
         lock.close()
         return "already", wait_for_hub(root, 3.0)
-    server = hub = None
+    server = hub = user_copy = None
     try:
         adopt_user_state(root)
         hub = open_hub(root, token_path, ephemeral_inbox)
@@ -7129,9 +7132,11 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
                                         indent=2) + "\n", private=True)
         write_file(server_json, json.dumps({"port": bound}, indent=2) + "\n")
         try:
-            write_file(os.path.join(state_dir(root), HUB_POINTER), hub_json + "\n", private=True)
+            user_copy = user_hub_json(root)
+            write_file(user_copy, json.dumps({"pid": os.getpid(), "port": bound, "token": hub.token, "project": root,
+                                              "version": VERSION}, indent=2) + "\n", private=True)
         except (OSError, PinboxError):
-            pass  # only `stop --all` of this user reads it
+            user_copy = None  # only `stop --all` of this user reads it
         owner = "hub-%d-%s" % (os.getpid(), new_id("ses")[4:])
         for target, args in ((hub.watch, (hub.stopping,)), (delivery_worker, (hub, hub.stopping, owner)),
                              (watch_idle, (hub, server)), (sync_worker, (hub, hub.stopping))):
@@ -7141,13 +7146,12 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
         server.serve_forever(poll_interval=0.2)
         finish_requests(hub, server, owner)
     finally:
-        current = read_hub_json(hub_json)
-        if current and current["pid"] == os.getpid():
-            for path in (hub_json, server_json):
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+        ours = [path for path in (hub_json, user_copy) if path and (read_hub_json(path) or {}).get("pid") == os.getpid()]
+        for path in ours + [server_json] * (hub_json in ours):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
         if server is not None:
             server.server_close()
         if hub is not None:
@@ -9339,9 +9343,7 @@ def cmd_stop(ctx):
     import signal
     if ctx.args.all:
         base = os.path.dirname(state_dir(ctx.root))
-        pointers = [os.path.join(base, name, HUB_POINTER) for name in sorted(os.listdir(base))] \
-            if os.path.isdir(base) else []
-        paths = [line.strip() for line in map(read_text, pointers) if line and line.strip()]
+        paths = [os.path.join(base, name, "hub.json") for name in sorted(os.listdir(base))] if os.path.isdir(base) else []
     else:
         paths = [hub_files(ctx.root)[1]]
     stopped = []
@@ -9736,6 +9738,8 @@ def probe_git_hook(ctx):
     if path is None:
         return "no git repository here: no commit to resolve pins"
     problem = git_hook_problem(ctx.root)
+    if problem and not os.path.lexists(path):  # never installed here: pins still reach the agent, and a
+        raise ProbeWarning(problem)            # teammate's sync or `pinbox resolve` can close them
     if problem:
         raise RuntimeError(problem)
     return "%s resolves the pins a commit names (Fixes/Resolves/Closes)" % path
