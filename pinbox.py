@@ -98,7 +98,8 @@ ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 ID_PREFIXES = ("pin", "msg", "ses", "att", "ask")
 MAX_TEXT_BYTES = 64 * 1024
 PIN_STATUSES = ("open", "resolved")
-PIN_INTENTS = ("task", "note")  # a task is work for the agent; a note is context, never work
+PIN_INTENTS = ("task", "note")  # a pin's kind: a task is work for the agent; a note is context, never work
+PIN_GESTURES = ("point", "move")  # how it was made: pointing at something, or dragging it where it should be
 ROLES = ("human", "agent", "mirror")
 BUSY_TIMEOUT_S = 10.0
 NOT_FOUND_HINT = "run `pinbox list` to see valid ids (full ids, or numbers such as 3 or #3 — prefixes don't match)"
@@ -1298,7 +1299,9 @@ REQUEST_ENTRY = {"method": ("string", True), "url": ("string", True), "status": 
 EVIDENCE = {"console": (("list", CONSOLE_ENTRY), False), "requests": (("list", REQUEST_ENTRY), False),
             "load": ("string", False)}  # (the page load's id, for the hub only: never kept)
 EVIDENCE_LIMIT = 64 * 1024
-PIN_INPUT = {"text": ("text", True), "kind": (("enum", ("note", "move")), False),
+# `kind` and `gesture` are read as words_kept says (a body without `gesture` is the original's).
+PIN_INPUT = {"text": ("text", True), "kind": (("enum", PIN_INTENTS + ("move",)), False),
+             "gesture": (("enum", PIN_GESTURES), False),
              "intent": (("enum", PIN_INTENTS), False), "target": (TARGET, False),
              "move": ({"from": (RECT, True), "to": (RECT, True)}, False), "env": (ENV, False),
              "evidence": (EVIDENCE, False),
@@ -1551,6 +1554,46 @@ PIN_KEYS = ("text", "kind", "intent", "target", "move", "env", "evidence", "auth
 MESSAGE_KEYS = ("id", "pinId", "role", "origin", "session", "text", "target", "attachments", "answers", "at")
 
 
+def words_kept(pin):
+    """A new pin's kind and gesture as a pin is kept and synced: the original pinbox's
+    shape, so stored pins and a teammate's older pinbox read them as before (`kind`
+    note|move is the gesture; `intent: "note"` marks a note, a task says nothing). A
+    body naming its `gesture` speaks the new words (`kind` task|note); one without is
+    read the original's way, as older toolbars and scripts send it."""
+    pin = dict(pin)
+    if "gesture" in pin:
+        if pin.get("kind") == "move":
+            raise invalid("kind: expected task or note (with a gesture, move is the gesture)")
+        intent, kind = pin.pop("kind", None) or pin.get("intent") or "task", pin.pop("gesture")
+        pin = dict({"text": pin.pop("text"), "kind": "move" if kind == "move" else "note", "intent": intent}, **pin)
+    elif pin.get("kind") == "task":
+        pin["kind"], pin["intent"] = "note", pin.get("intent") or "task"
+    pin.setdefault("kind", "note")
+    if pin.get("intent") in ("task", None):
+        pin.pop("intent", None)  # (the default: only a note says what it is)
+    return pin
+
+
+def pin_words(data):
+    """`data` with each pin in it as pinbox shows one (output, the hub's answers and
+    streams, MCP): `kind` is what the pin is, task or note, and `gesture` what the
+    original pinbox called its kind, point or move. Kept pins are not changed."""
+    if isinstance(data, list):
+        return [pin_words(item) for item in data]
+    if not isinstance(data, dict):
+        return data
+    if not (str(data.get("id", "")).startswith("pin_") and "text" in data and data.get("kind") in ("note", "move")
+            and "gesture" not in data):
+        return {key: pin_words(value) for key, value in data.items()}
+    shown = {}
+    for key, value in data.items():
+        if key == "kind":
+            shown["kind"], shown["gesture"] = data.get("intent") or "task", "move" if value == "move" else "point"
+        elif key != "intent":
+            shown[key] = value
+    return shown
+
+
 def create_pin(store, fields):
     """Stores a new open pin. `fields` holds text and whatever of kind, target, move,
     env, author, agentSession and attachments the caller has."""
@@ -1560,12 +1603,9 @@ def create_pin(store, fields):
     ref = fields.get("agentSession")
     if isinstance(ref, dict) and ref.get("agent") in AGENTS:  # a session the pin will be routed to
         check_session_ref(ref["agent"], ref.get("key"))
-    pin = hide_page_text(dict(fields, text=text))
+    pin = hide_page_text(words_kept(dict(fields, text=text)))
     if pin.get("evidence") is not None:
         pin["evidence"] = check_evidence(pin["evidence"])
-    pin.setdefault("kind", "note")
-    if pin.get("intent") == "task":
-        del pin["intent"]  # (the default: only a note says what it is)
     pin.setdefault("author", {"userId": "unknown"})
     with store.write() as conn:
         return insert_pin(conn, store, pin)
@@ -5071,7 +5111,7 @@ class Response:
         elif error is not None:
             self.body = dumps_compact(error.envelope()).encode("utf-8")
         else:
-            self.body = dumps_compact({"ok": True, "data": data}).encode("utf-8")
+            self.body = dumps_compact({"ok": True, "data": pin_words(data)}).encode("utf-8")
 
 
 def error_response(err):
@@ -5644,7 +5684,7 @@ def serve_stream(handler, hub, query):
 
 
 def sse_frame(event):
-    return ("id: %d\ndata: %s\n\n" % (event["seq"], dumps_compact(page_view(event)))).encode("utf-8")
+    return ("id: %d\ndata: %s\n\n" % (event["seq"], dumps_compact(page_view(pin_words(event))))).encode("utf-8")
 
 
 class WebSocket:
@@ -5706,7 +5746,7 @@ class WebSocket:
 
 def event_frame(event):
     return {"type": "event", "seq": event["seq"], "eventType": event["type"], "at": event["at"],
-            "payload": page_view(event["payload"])}
+            "payload": page_view(pin_words(event["payload"]))}
 
 
 def websocket_accept(key):
@@ -7518,6 +7558,7 @@ class McpServer:
         try:
             args = validate({} if arguments is None else arguments, tool[3], "arguments")
             data, content = getattr(self, "t_" + name)(args)
+            data = pin_words(data)
         except PinboxError as err:
             envelope = {"code": err.code, "message": str(err), "hint": err.hint}
             text = "%s: %s%s" % (err.code, err, " (%s)" % err.hint if err.hint else "")
@@ -8621,7 +8662,7 @@ class Output:
     def result(self, data, facts=None, note=None):
         import json
         if self.json:
-            write_out(json.dumps({"ok": True, "data": data}, indent=2, ensure_ascii=False) + "\n")
+            write_out(json.dumps({"ok": True, "data": pin_words(data)}, indent=2, ensure_ascii=False) + "\n")
             return
         # What a page or a teammate wrote reaches a terminal as text, never as escape sequences.
         if facts:
@@ -9165,7 +9206,7 @@ def render_show(pin, thread, now=None, waits=None):
         if verification.get("note"):
             line += " — " + verification["note"]
         facts.append(("verified", line))
-    lines = ["%s  %s  %s" % (pin.get("id"), pin.get("status"), pin.get("kind", "note")),
+    lines = ["%s  %s  %s" % (pin.get("id"), pin.get("status"), pin.get("intent") or "task"),
              "text      " + pin.get("text", "")]
     lines += ["%s  %s" % (label.ljust(8), value) for label, value in facts]
     if thread:
@@ -9773,7 +9814,7 @@ def probe_sessions(ctx):
     if not sessions:
         return "none yet: an agent's first prompt (with its hooks wired) registers one"
     newest = sessions[0]
-    return "%d live; last seen: %s:%s %s" % (len(live), newest["agent"], newest["key"],
+    return "%d active; last seen: %s:%s %s" % (len(live), newest["agent"], newest["key"],
                                               relative_age(newest.get("lastSeenAt")))
 
 
@@ -11602,7 +11643,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       // Re-describe if the elements are still there (they may have moved since the pick).
       const elements = [state.picked].concat(state.extras || []);
       const target = elements.every((el) => el && el.isConnected) ? describeAll(elements) : state.pickedTarget;
-      const body = { text, kind: 'note', intent: ui.noteBox.checked ? 'note' : undefined, target, env: environment(),
+      const body = { text, kind: ui.noteBox.checked ? 'note' : 'task', gesture: 'point', target, env: environment(),
         evidence: evidence(), author: { userId: consumerId() } };
       let shots = [];
       const missed = [];
@@ -11675,7 +11716,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     for (const pin of state.pins.values()) {
       if (!onThisPage(pin)) continue;
       const resolved = pin.status === 'resolved';
-      if (!resolved && pin.intent !== 'note') open++;  // the badge counts work; a note is none
+      if (!resolved && pin.kind !== 'note') open++;  // the badge counts work; a note is none
       if (!Array.isArray((pin.target || {}).targets || [])) continue;  // a shape this toolbar cannot mark
       const label = 'Pin ' + (pin.n || '') + ' (' + (resolved ? 'resolved' : 'open') + '): ' + collapse(pin.text).slice(0, 80);
       targetsOf(pin).forEach((t, part) => {
@@ -12902,7 +12943,7 @@ function render() {
   document.title = "pinbox · " + summary.project;
   document.getElementById("title").textContent = "pinbox · " + summary.project;
   document.getElementById("where").textContent = summary.open + " open, " + summary.resolved + " resolved · " +
-    summary.sessions + " live agent session(s)";
+    summary.sessions + " active agent session(s)";
   const syncEl = document.getElementById("sync");
   syncEl.textContent = sync.enabled
     ? "Syncing with git remote " + sync.remote + " · last sync " + (ago(sync.lastSyncAt) || "never") +
@@ -12944,7 +12985,7 @@ function render() {
   empty.hidden = shown.length > 0;
   empty.textContent = pins.length ? "No " + (filter === "all" ? "" : filter + " ") + "pin matches." :
     "No pins yet: open your app with pinbox open <url>, press P, click what is wrong and say why.";
-  for (const s of sessions) row("sessions", [s.agent, s.key, s.endedAt ? "ended " + ago(s.endedAt) : "live",
+  for (const s of sessions) row("sessions", [s.agent, s.key, s.endedAt ? "ended " + ago(s.endedAt) : "active",
                                              ago(s.lastSeenAt), s.cwd]);
   document.getElementById("sessions-empty").hidden = sessions.length > 0;
   for (const d of deliveries) {

@@ -1773,14 +1773,39 @@ class TestPins(PinboxCase):
     def test_pin_json_has_the_original_shape(self):
         head = git_commit(self.repo)
         pin = self.pin("Save button is clipped", "--url", "http://localhost:3000/", "--selector", "#save")
-        self.assertEqual(list(pin), ["text", "kind", "target", "env", "author", "id", "n", "schemaVersion",
+        self.assertEqual(list(pin), ["text", "kind", "gesture", "target", "env", "author", "id", "n", "schemaVersion",
                                      "status", "createdAt"])
+        self.assertEqual((pin["kind"], pin["gesture"]), ("task", "point"))  # its kind is what it is
         self.assertEqual(pin["target"], {"url": "http://localhost:3000/", "selector": "#save"})
         self.assertEqual(pin["env"], {"branch": "main", "commit": head, "dirty": False})
         self.assertEqual(pin["author"], {"userId": "pat@example.com", "name": "Pat Tester", "email": "pat@example.com"})
         self.assertRegex(pin["id"], PIN_ID)
-        self.assertEqual((pin["n"], pin["schemaVersion"], pin["status"], pin["kind"]), (1, 1, "open", "note"))
+        self.assertEqual((pin["n"], pin["schemaVersion"], pin["status"]), (1, 1, "open"))
         self.assertRegex(pin["createdAt"], r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+
+    def test_a_pins_kind_is_what_it_is_and_kept_pins_read_as_before(self):
+        """One word per idea: `kind` is task or note in show, list and the JSON; the
+        original's field (note|move) is `gesture`; the row keeps the original's shape."""
+        task = self.pin("The total is cut off")
+        note = self.ok("pin", "We move to the new design system next month", "--kind", "note")
+        self.assertEqual([(p["kind"], p["gesture"]) for p in (task, note)], [("task", "point"), ("note", "point")])
+        self.assertNotIn("intent", note)
+        self.assertEqual([p["id"] for p in self.ok("list", "--kind", "note")], [note["id"]])
+        self.assertEqual([p["id"] for p in self.ok("list", "--kind", "task")], [task["id"]])
+        self.assertEqual(self.human("show", note["id"]).out.split("\n")[0], "%s  open  note" % note["id"])
+        self.assertEqual(self.ok("show", note["id"])["pin"]["kind"], "note")
+        kept = dict(self.sql("SELECT id, json FROM pins"))
+        self.assertEqual((json.loads(kept[note["id"]])["kind"], json.loads(kept[note["id"]])["intent"]), ("note", "note"))
+        self.assertNotIn("intent", json.loads(kept[task["id"]]))
+        # A pin an older pinbox kept, a move among them: read as it was meant.
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        try:
+            moved = pinbox.create_pin(store, {"text": "put it higher", "kind": "move", "move": {
+                "from": {"x": 0, "y": 0, "width": 1, "height": 1}, "to": {"x": 0, "y": 9, "width": 1, "height": 1}}})
+        finally:
+            store.close()
+        shown = self.ok("show", moved["id"])["pin"]
+        self.assertEqual((shown["kind"], shown["gesture"], list(shown)[:4]), ("task", "move", ["text", "kind", "gesture", "move"]))
 
     def test_pin_builds_only_the_target_it_was_given(self):
         bare = self.pin("no target at all")
@@ -2246,7 +2271,7 @@ class TestNotesVerdictsNudges(HookCase):
         self.register("k1")
         task = self.pin("The total is cut off")
         note = self.ok("pin", "We are moving to the new design system next month", "--kind", "note")
-        self.assertEqual(note["intent"], "note")
+        self.assertEqual((note["kind"], note["gesture"], task["kind"]), ("note", "point", "task"))
         first = self.inject("k1")
         self.assertIn("Pinbox: 1 open pin(s).", first)  # the note is not work
         at = first.index("Notes from the person (context for your work, not tasks; each shown once):")
@@ -6996,6 +7021,27 @@ class TestHubApi(HubCase):
             self.api_error(method, path, status=401, code="E_AUTH", token="wrong-token")
         self.assertEqual(self.request("GET", "/toolbar.js", token=False)[0], 200)
         self.assertEqual(self.request("GET", "/", token=False)[0], 200)
+
+    def test_a_body_naming_its_gesture_speaks_the_new_words_one_without_the_originals(self):
+        original = self.post_pin("as an older toolbar sends it", kind="note")  # the original's note: a pin
+        self.assertEqual((original["kind"], original["gesture"]), ("task", "point"))
+        older = self.post_pin("an older toolbar's note", kind="note", intent="note")
+        self.assertEqual(older["kind"], "note")
+        note = self.post_pin("context only", kind="note", gesture="point")
+        task = self.post_pin("fix this", kind="task")
+        moved = self.post_pin("move it", gesture="move", move={"from": {"x": 0, "y": 0, "width": 1, "height": 1},
+                                                                "to": {"x": 5, "y": 0, "width": 1, "height": 1}})
+        self.assertEqual([(p["kind"], p["gesture"]) for p in (note, task, moved)],
+                         [("note", "point"), ("task", "point"), ("task", "move")])
+        self.api_error("POST", "/pins", {"text": "x", "author": {"userId": "c1"}, "kind": "move", "gesture": "point"})
+        self.assertEqual({p["id"]: p["kind"] for p in self.api("GET", "/pins")}, {
+            original["id"]: "task", older["id"]: "note", note["id"]: "note", task["id"]: "task", moved["id"]: "task"})
+        created = [e["payload"] for e in self.api("GET", "/events") if e["type"] == "pin.created"]
+        self.assertEqual([(p["kind"], "intent" in p) for p in created][2:4], [("note", False), ("task", False)])
+        # Kept and synced the original's way, so an older teammate's pinbox reads them.
+        kept = {row[0]: json.loads(row[1]) for row in self.sql("SELECT id, json FROM pins")}
+        self.assertEqual([(kept[p["id"]]["kind"], kept[p["id"]].get("intent")) for p in (note, task, moved)],
+                         [("note", "note"), ("note", None), ("move", None)])
 
     def test_pins_over_http(self):
         head = git(self.repo, "rev-parse", "HEAD")
@@ -11754,7 +11800,7 @@ class TestHumanOutput(PinboxCase):
 
         r = self.human("show", pin_id)
         created = self.ok("show", pin_id)["pin"]["createdAt"]
-        self.assertEqual(r.out, "%s  open  note\n"
+        self.assertEqual(r.out, "%s  open  task\n"  # what it is (the original printed its gesture, "note")
                                 "text      Save button is clipped\n"
                                 "target    #save\n"
                                 "url       http://localhost:3000/\n"
@@ -11774,7 +11820,7 @@ class TestHumanOutput(PinboxCase):
         self.assertEqual((r.out, r.err), ("%s resolved\n" % pin_id, "by human — padding fixed\n"))
         r = self.human("show", pin_id)
         lines = r.out.splitlines()
-        self.assertEqual(lines[0], "%s  resolved  note" % pin_id)
+        self.assertEqual(lines[0], "%s  resolved  task" % pin_id)
         self.assertIn("resolved  by human, just now — padding fixed", lines)
         # A resolution drops what no session claimed: nothing is left waiting for one.
         self.assertEqual(lines[-3:], ["", "agent  just now  hi", "human  just now  thanks"])
@@ -12163,7 +12209,7 @@ class TestCommandLine(PinboxCase):
         self.run_pinbox("session", "inject", "--agent", "claude", "--key", "k-doc", env=env)
         code, checks = doctor()
         self.assertEqual(code, 0, checks["deliveries"])
-        self.assertIn("1 live; last seen: claude:k-doc", checks["sessions"]["detail"])
+        self.assertIn("1 active; last seen: claude:k-doc", checks["sessions"]["detail"])
         before = self.sql("SELECT COUNT(*) FROM sessions")[0][0], self.sql("SELECT COUNT(*) FROM pins")[0][0]
         doctor()
         self.assertEqual((self.sql("SELECT COUNT(*) FROM sessions")[0][0], self.sql("SELECT COUNT(*) FROM pins")[0][0]),
@@ -13539,7 +13585,10 @@ class TestToolbarInChromium(HubCase):
         pins = b.evaluate("document.getElementById('pins').innerText")
         self.assertIn("Footer overlaps the cookie banner", pins)
         b.wait_for("document.getElementById('pins').innerText.includes('agent: which page?')")
-        self.assertIn("k-page", b.evaluate("document.getElementById('sessions').innerText"))
+        sessions = b.evaluate("document.getElementById('sessions').innerText")
+        self.assertIn("k-page", sessions)
+        self.assertIn("active", sessions)  # the word `session list` uses
+        self.assertNotIn("live", sessions)
         deliveries = b.evaluate("document.getElementById('deliveries').innerText")
         self.assertIn("pin.created", deliveries)
         self.assertIn("hooks", deliveries)
