@@ -11808,22 +11808,19 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     placeOverlay(state.picking ? state.hover : state.picked, !state.picking);
     placeSelection();
     for (const panel of [ui.drawer, ui.thread, ui.help]) if (panel) placePanel(panel);
-    // Markers sit just above the element's top-right corner (below it at the page's top),
-    // never on it; pins on the same spot fan out leftwards.
+    // Pins on the same spot fan out, away from the text they mark.
     const used = new Map();
     for (const m of ui.markers.children) {
       const pin = state.pins.get(m.getAttribute('data-pin-id'));
       const t = pin && targetsOf(pin)[Number(m.getAttribute('data-part'))];
-      let r = null;
-      try { r = t && targetRect(t); } catch (err) { r = null; }  // one it cannot place hides, not the others
-      if (!r || r.bottom < -12 || r.top > innerHeight + 12) { m.hidden = true; continue; }
-      const key = Math.round(r.right) + ',' + Math.round(r.top);
+      let spot = null;
+      try { spot = t && markerSpot(t, m); } catch (err) { spot = null; }  // one it cannot place hides, not the others
+      if (!spot) { m.hidden = true; continue; }
+      const key = Math.round(spot.left) + ',' + Math.round(spot.top);
       const nth = used.get(key) || 0;
       used.set(key, nth + 1);
-      const left = Math.min(Math.max(r.right - 24 - nth * 26, 2), innerWidth - 26);
-      const top = Math.min(r.top >= 28 ? r.top - 26 : r.bottom + 2, innerHeight - 26);
-      m.style.left = left + 'px';
-      m.style.top = top + 'px';
+      m.style.left = Math.min(Math.max(spot.left + nth * 26 * spot.dir, 2), innerWidth - 26) + 'px';
+      m.style.top = Math.min(Math.max(spot.top, 2), innerHeight - 26) + 'px';
       m.hidden = false;
     }
     // The composer stays next to its element, below it when there is room, inside the viewport.
@@ -11838,6 +11835,80 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       ui.composer.style.left = left + 'px';
       ui.composer.style.top = top + 'px';
     }
+  }
+
+  // A marker sits at its element's text: just after the end of its first line (the first
+  // line box: a short paragraph's marker is by its words, not at the far end of its
+  // block), else just before the line, else above its end; never on another element's
+  // text. The spot is kept relative to the element until the element changes shape.
+  const markerSpots = new WeakMap();
+  function markerSpot(t, m) {
+    let el = null;
+    try { el = t.selector ? document.querySelector(t.selector) : null; } catch (err) { el = null; }
+    const shown = targetRect(t);
+    if (!shown || shown.bottom < -12 || shown.top > innerHeight + 12) return null;
+    if (!el) return { left: shown.right - 24, top: shown.top >= 28 ? shown.top - 26 : shown.bottom + 2, dir: -1 };
+    const box = el.getBoundingClientRect();
+    const line = firstLine(el) || { left: box.left, right: box.right, top: box.top, bottom: Math.min(box.bottom, box.top + 24) };
+    const shape = [line.left - box.left, line.top - box.top, line.right - box.left, line.bottom - line.top, box.width, box.height]
+      .map(Math.round).join();
+    let kept = markerSpots.get(m);
+    if (!kept || kept.shape !== shape || performance.now() - kept.at > 1000) {
+      const spot = besideText(el, line);
+      kept = { shape, at: performance.now(), dx: spot.left - box.left, dy: spot.top - box.top, dir: spot.dir };
+      markerSpots.set(m, kept);
+    }
+    return { left: box.left + kept.dx, top: box.top + kept.dy, dir: kept.dir };
+  }
+
+  // The box of the first line of an element's text, across the inline elements on it.
+  function firstLine(el) {
+    const walker = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
+    const range = document.createRange();
+    let line = null;
+    for (let node = walker.nextNode(), n = 0; node && n < 60; node = walker.nextNode(), n++) {
+      if (!node.data.trim()) continue;
+      range.selectNodeContents(node);
+      for (const b of range.getClientRects()) {
+        if (!b.width || !b.height) continue;
+        if (!line) line = { left: b.left, top: b.top, right: b.right, bottom: b.bottom };
+        else if (b.top < line.bottom - 2 && b.bottom > line.top + 2) {
+          line = { left: Math.min(line.left, b.left), top: Math.min(line.top, b.top),
+            right: Math.max(line.right, b.right), bottom: Math.max(line.bottom, b.bottom) };
+        } else if (b.top >= line.bottom - 2) return line;
+      }
+    }
+    return line;
+  }
+
+  function besideText(el, line) {
+    const middle = (line.top + line.bottom) / 2 - 12;
+    const spots = [[line.right + 4, middle, 1], [line.left - 28, middle, -1], [line.right - 24, line.top - 26, -1]];
+    for (const [left, top, dir] of spots) {
+      if (left < 2 || top < 2 || left > innerWidth - 26 || top > innerHeight - 26) continue;
+      if (!textOfAnotherAt(el, left, top)) return { left, top, dir };
+    }
+    return { left: line.right - 24, top: middle, dir: -1 };  // on its own words' end, never another's
+  }
+
+  // Whether a marker at (left, top) would cover text that is not the element's own.
+  function textOfAnotherAt(el, left, top) {
+    return [[12, 12], [0, 0], [24, 0], [0, 24], [24, 24], [12, 0], [12, 24]].some(([dx, dy]) => {
+      const owner = textOwnerAt(left + dx, top + dy);
+      return owner && !el.contains(owner);
+    });
+  }
+
+  function textOwnerAt(x, y) {
+    const top = document.elementsFromPoint(x, y).find((e) => e !== ui.host);
+    if (!top) return null;
+    const range = document.createRange();
+    for (const node of top.childNodes) {
+      if (node.nodeType !== 3 || !node.data.trim()) continue;
+      range.selectNodeContents(node);
+      for (const b of range.getClientRects()) if (x >= b.left && x <= b.right && y >= b.top && y <= b.bottom) return top;
+    }
+    return null;
   }
 
   // A panel opens by the pin button, above it when there is more room above (below it
@@ -12377,7 +12448,52 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
   }
 
   function dockPlace() {
-    try { return JSON.parse(localStorage.getItem('pinbox.dock')) || null; } catch (err) { return null; }
+    try {
+      const place = JSON.parse(localStorage.getItem('pinbox.dock'));
+      return place && Number.isFinite(place.right) && Number.isFinite(place.bottom) ? place : null;
+    } catch (err) { return null; }
+  }
+
+  // The pin button sits where the person dragged it (kept per app: this origin's storage),
+  // else in the first corner the app leaves free: none of the app's fixed or sticky
+  // elements (its chat or cart button, a cookie bar) under it.
+  const CORNERS = [['right', 'bottom'], ['left', 'bottom'], ['right', 'top'], ['left', 'top']];
+  function placeToggle() {
+    const style = ui.toggle.style, place = dockPlace();
+    if (place) {
+      style.left = style.top = 'auto';
+      style.right = Math.min(Math.max(place.right, 0), Math.max(innerWidth - 46, 0)) + 'px';
+      style.bottom = Math.min(Math.max(place.bottom, 0), Math.max(innerHeight - 46, 0)) + 'px';
+      ui.toggle.removeAttribute('data-corner');
+      return;
+    }
+    const corner = CORNERS.find(cornerFree) || CORNERS[0];
+    for (const side of ['left', 'right', 'top', 'bottom']) style[side] = corner.includes(side) ? '20px' : 'auto';
+    ui.toggle.setAttribute('data-corner', corner.join('-'));
+  }
+
+  function cornerFree(corner) {
+    const size = 46, left = corner[0] === 'left' ? 20 : innerWidth - 20 - size;
+    const top = corner[1] === 'top' ? 20 : innerHeight - 20 - size;
+    return ![[0.5, 0.5], [0, 0], [1, 0], [0, 1], [1, 1]].some(([fx, fy]) => appFixedAt(left + 2 + fx * (size - 4), top + 2 + fy * (size - 4)));
+  }
+
+  function appFixedAt(x, y) {
+    for (const el of document.elementsFromPoint(x, y)) {
+      if (el === ui.host) continue;
+      for (let e = el; e && e !== document.body && e !== document.documentElement; e = e.parentElement) {
+        const position = getComputedStyle(e).position;
+        if (position === 'fixed' || position === 'sticky') return true;
+      }
+    }
+    return false;
+  }
+
+  // An app that draws its own fixed button after the toolbar came (a framework's first
+  // render): the button moves on from a corner that is no longer free, unless placed by hand.
+  function keepCornerFree() {
+    const corner = ui.toggle.getAttribute('data-corner');
+    if (corner && !cornerFree(corner.split('-'))) placeToggle();
   }
 
   // Minimized: a small button with the open count, dragged anywhere, kept there per site.
@@ -12387,15 +12503,13 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     if (minimized) { stopPicking(); closeComposer(); closeThread(); closeDrawer(); closeHelp(); }
     ui.toggle.classList.toggle('mini', minimized);
     ui.toggle.setAttribute('data-minimized', String(minimized));
-    const place = minimized && dockPlace();
-    ui.toggle.style.right = place ? place.right + 'px' : '';
-    ui.toggle.style.bottom = place ? place.bottom + 'px' : '';
+    placeToggle();
     setHidden(state.markersHidden);
     renderMarkers();
   }
 
   function dragDock(e) {
-    if (!state.minimized || e.button !== 0) return;
+    if (e.button !== 0) return;
     const start = { x: e.clientX, y: e.clientY, rect: ui.toggle.getBoundingClientRect() };
     let moved = false;
     const move = (ev) => {
@@ -12404,8 +12518,10 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       moved = true;
       const right = Math.min(Math.max(innerWidth - start.rect.right - dx, 0), innerWidth - start.rect.width);
       const bottom = Math.min(Math.max(innerHeight - start.rect.bottom - dy, 0), innerHeight - start.rect.height);
+      ui.toggle.style.left = ui.toggle.style.top = 'auto';
       ui.toggle.style.right = right + 'px';
       ui.toggle.style.bottom = bottom + 'px';
+      ui.toggle.removeAttribute('data-corner');
     };
     const up = () => {
       window.removeEventListener('pointermove', move, true);
@@ -12635,12 +12751,14 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
     window.addEventListener('keydown', onKey, true);
     window.addEventListener('scroll', schedule, { capture: true, passive: true });
     window.addEventListener('resize', schedule, { passive: true });
+    window.addEventListener('resize', guard(placeToggle), { passive: true });
     followRoutes();
     // Once a second: catch layout shifts that fire no scroll/resize, elements that came
     // or went, and where the open thread or the drawer's pins stand.
     let lastPath = location.pathname + route(location);
     setInterval(guard(() => {
       if (location.pathname + route(location) !== lastPath) { lastPath = location.pathname + route(location); renderMarkers(); } else schedule();
+      keepCornerFree();
       if ((ui.thread || ui.drawer) && document.visibilityState === 'visible') refreshProgress(ui.drawer ? null : state.threadId);
     }), 1000);
     window.addEventListener('pagehide', () => {
@@ -12656,6 +12774,7 @@ TOOLBAR_JS = r"""/* pinbox toolbar: drop a pin on any page.
       if (localStorage.getItem('pinbox.minimized') === 'true') setMinimized(true);
       state.draft = sessionStorage.getItem('pinbox.draft') || '';
     } catch (err) { /* storage blocked */ }
+    placeToggle();
     outbox('readonly', (s) => s.count()).then((n) => { state.waiting = n || 0; showOffline(); }, () => {});
     api('GET', '/pins')
       .then((data) => {

@@ -13226,12 +13226,12 @@ class TestToolbarInChromium(HubCase):
             b.emulate(width, scheme, 800)
             b.wait_for(near % json.dumps('[data-pinbox="thread"]'))
             b.screenshot(os.path.join(folder, "thread-%d-%s.png" % (width, scheme)))
-        # A marker never covers the element it marks.
+        # A marker never covers the words of the element it marks: it sits beside them.
         self.assertFalse(b.evaluate(
             "(() => { const m = document.getElementById('pinbox-toolbar-host').shadowRoot.querySelector("
-            "'[data-pinbox=\"marker\"]').getBoundingClientRect(), e = document.querySelector('h1')"
-            ".getBoundingClientRect(); return m.left < e.right && m.right > e.left && m.top < e.bottom && "
-            "m.bottom > e.top; })()"))
+            "'[data-pinbox=\"marker\"]').getBoundingClientRect(), r = document.createRange(); "
+            "r.selectNodeContents(document.querySelector('h1')); const e = r.getBoundingClientRect(); "
+            "return m.left < e.right && m.right > e.left && m.top < e.bottom && m.bottom > e.top; })()"))
         b.key("Escape")
         # The composer says how to send without a look at the keys.
         b.key("Escape")
@@ -13323,6 +13323,92 @@ class TestToolbarInChromium(HubCase):
         b.wait_for(self.in_shadow("Array.from(root.querySelectorAll('[data-pinbox=\"message\"] .who')).map(w => "
                                   "w.textContent.split(' · ').slice(0, -1).join(' · ')).join('|') === "
                                   "'agent · claude (k-live-s)|agent · claude (k-second)|human'"))
+
+    def test_the_pin_button_leaves_the_apps_fixed_button_free_and_stays_where_it_is_put(self):
+        """An app with its own button fixed at the bottom right (a chat, a cart): the pin
+        button takes a free corner, so a click at the app's button's centre reaches it; one
+        the app draws later moves it on too; a drag puts it anywhere, kept for that app."""
+        chat = ("<style>body{margin:0;height:2000px}</style><script>window.chats = 0</script>"
+                "<button id=chat onclick='chats++' style='position:fixed;right:16px;bottom:16px;width:140px;"
+                "height:56px'>Chat with us</button><h1 style='margin:40px'>Shop</h1>")
+        b = self.browser
+        b.open(self.page("/chat", chat))
+        toggle = self.shadow('[data-pinbox="toggle"]')
+        b.wait_for("!!(%s) && (%s).dataset.corner === 'left-bottom'" % (toggle, toggle), 10)
+        b.click_at("document.getElementById('chat')")
+        b.wait_for("window.chats === 1")
+        overlap = ("(() => { const a = (%s).getBoundingClientRect(), c = document.getElementById('chat')"
+                   ".getBoundingClientRect(); return a.left < c.right && a.right > c.left && a.top < c.bottom && "
+                   "a.bottom > c.top; })()" % toggle)
+        self.assertFalse(b.evaluate(overlap))
+        self.assertTrue(b.evaluate("(() => { const r = (%s).getBoundingClientRect(); return r.width > 0 && r.left >= 0 "
+                                   "&& r.bottom <= innerHeight && getComputedStyle(%s).visibility === 'visible'; })()"
+                                   % (toggle, toggle)))
+        # A framework's first render comes after the toolbar: the corner is left as soon as it is taken.
+        late = chat.replace("<button id=chat", "<template id=later><button id=chat").replace(
+            "</button>", "</button></template><script>setTimeout(() => document.body.append("
+                         "document.getElementById('later').content.cloneNode(true)), 300)</script>")
+        b.open(self.page("/late", late))
+        b.wait_for("!!document.getElementById('chat') && (%s).dataset.corner === 'left-bottom'" % toggle, 10)
+        b.click_at("document.getElementById('chat')")
+        b.wait_for("window.chats === 1")
+        # Dragged by the person (no key needed), it stays there after a reload, for this app only.
+        x, y = b.centre(toggle)
+        b.mouse("mouseMoved", x, y)
+        b.mouse("mousePressed", x, y)
+        for step in range(1, 6):
+            b.mouse("mouseMoved", x + step * 60, y - step * 40)
+        b.mouse("mouseReleased", x + 300, y - 200)
+        self.assertEqual([round(v) for v in b.centre(toggle)], [round(x + 300), round(y - 200)])
+        self.assertFalse(b.evaluate("!!(%s)" % self.shadow('[data-pinbox="comment"]')))  # a drag is not a click
+        b.open(self.site + "/late")
+        b.wait_for("!!(%s) && !!document.getElementById('chat')" % toggle, 10)
+        self.assertEqual([round(v) for v in b.centre(toggle)], [round(x + 300), round(y - 200)])
+        b.open(self.site.replace("localhost", "127.0.0.1") + "/chat")  # another app (origin): its own corner
+        b.wait_for("!!(%s) && (%s).dataset.corner === 'left-bottom'" % (toggle, toggle), 10)
+
+    def test_a_marker_sits_by_its_elements_first_line_never_on_anothers_text(self):
+        """A short paragraph in a wide block: its marker is by its words, not at the far end
+        of the block, and not on the line above; a wrapped paragraph's, by its first line."""
+        prose = ("<style>body{margin:40px;font:16px/20px sans-serif} p{margin:0}</style><div style='width:1100px'>"
+                 "<p id=above>A first paragraph that runs on and on across the whole width of its block, so that "
+                 "the line right above the short paragraph is full of words.</p><p id=short>Short one.</p>"
+                 "<p id=long style='width:260px'>Many words that wrap onto a second and a third line inside this "
+                 "narrow box.</p></div>")
+        b = self.browser
+        b.open(self.page("/prose", prose))
+        markers = self.shadow('[data-pinbox="marker"]').replace("querySelector(", "querySelectorAll(")
+        drop_pin(b, "document.getElementById('short')", "Say more than this")
+        b.key("Escape")
+        b.click_at(self.shadow('[data-pinbox="toggle"]'))
+        b.click_at("document.getElementById('long')")
+        b.wait_for("!!(%s)" % self.shadow('[data-pinbox="comment"]'))
+        b.click_at(self.shadow('[data-pinbox="comment"]'))
+        b.type_text("Too narrow")
+        b.click_at(self.shadow('[data-pinbox="submit"]'))
+        b.wait_for("(%s).length === 2" % markers, 10)
+        b.key("Escape")
+        found = b.evaluate("""(() => {
+          const lines = (id) => { const r = document.createRange(); r.selectNodeContents(document.getElementById(id).firstChild);
+                                  return Array.from(r.getClientRects()); };
+          const ms = Array.from(%s).map((m) => [m.dataset.pinId, m.getBoundingClientRect()]);
+          return ms.map(([id, m]) => ({left: m.left, right: m.right, middle: (m.top + m.bottom) / 2,
+            onAbove: lines('above').some((t) => m.left < t.right && m.right > t.left && m.top < t.bottom && m.bottom > t.top),
+            short: lines('short')[0].toJSON(), long: lines('long')[0].toJSON()}));
+        })()""" % markers)
+        pins = {p["text"]: p["id"] for p in self.api("GET", "/pins")}
+        by_text = dict(zip([m for m in (pins["Say more than this"], pins["Too narrow"])], (None, None)))
+        ids = b.evaluate("Array.from(%s).map((m) => m.dataset.pinId)" % markers)
+        for marker, pin_id in zip(found, ids):
+            by_text[pin_id] = marker
+        short, wrapped = by_text[pins["Say more than this"]], by_text[pins["Too narrow"]]
+        line = short["short"]
+        self.assertTrue(line["right"] <= short["left"] <= line["right"] + 30 or  # by its words, after them
+                        line["left"] - 30 <= short["right"] <= line["left"], (short, line))  # or before
+        self.assertTrue(line["top"] <= short["middle"] <= line["bottom"], short)
+        self.assertFalse(short["onAbove"], short)  # never on the line above
+        first = wrapped["long"]
+        self.assertTrue(first["top"] <= wrapped["middle"] <= first["bottom"], wrapped)  # by the first of three lines
 
     @campaign_only("with the longer toolbar tests, one at a time")
     def test_a_long_pin_in_a_narrow_window_leaves_every_control_in_reach(self):
