@@ -85,7 +85,6 @@ ERRORS = {
     "E_DELIVERY": (7, 502),
     "E_WS_PROTOCOL": (8, 400),
     "E_ATTACHMENT": (9, 413),
-    "E_CONNECTOR": (10, 502),
     "E_AUTH": (11, 401),
     "E_FORBIDDEN": (12, 403),
     "E_SESSION_BUSY": (13, 429),
@@ -643,6 +642,12 @@ MIGRATIONS = {
         "CREATE TABLE IF NOT EXISTS prompt_context(one INTEGER PRIMARY KEY CHECK (one = 1), pin_writes INTEGER NOT NULL,"
         " made_by TEXT NOT NULL, context TEXT NOT NULL)",
     ],
+    # Half-built parts of the original pinbox, never read here: issue links (its `link`
+    # verb, not built: a pin's `links` stay in its JSON) and where each socket read up to.
+    14: [
+        "DROP TABLE IF EXISTS links",
+        "DROP TABLE IF EXISTS cursors",
+    ],
 }
 SCHEMA_VERSION = max(MIGRATIONS)
 
@@ -880,13 +885,6 @@ def store_error(path, exc):
 def last_seq(conn):
     """The newest event's number (0 in an empty store)."""
     return conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0]
-
-
-def save_cursor(conn, consumer_id, seq):
-    """Where a live consumer (the original toolbar's socket) has read up to."""
-    conn.execute("INSERT INTO cursors(consumer_id, last_seq, updated_at) VALUES (?, ?, ?) "
-                 "ON CONFLICT(consumer_id) DO UPDATE SET last_seq = excluded.last_seq, "
-                 "updated_at = excluded.updated_at", (consumer_id, seq, iso_time()))
 
 
 def events_after(store, seq, limit=500):
@@ -1550,7 +1548,7 @@ def _acts(char):
 
 # Key order of a stored pin (the original's schema order, so JSON output matches it).
 PIN_KEYS = ("text", "kind", "intent", "target", "move", "env", "evidence", "author", "agentSession", "attachments",
-            "id", "n", "schemaVersion", "status", "createdAt", "resolution", "verification", "after", "links")
+            "id", "n", "schemaVersion", "status", "createdAt", "resolution", "verification", "after")
 MESSAGE_KEYS = ("id", "pinId", "role", "origin", "session", "text", "target", "attachments", "answers", "at")
 
 
@@ -5757,8 +5755,9 @@ def websocket_accept(key):
 
 
 def parse_hello(data):
-    """(consumerId, lastSeq) of the original toolbar's hello frame; None for anything
-    else (not UTF-8, not JSON, not a hello, a field missing or of the wrong type)."""
+    """The lastSeq of the original toolbar's hello frame; None for anything else (not
+    UTF-8, not JSON, not a hello, a field missing or of the wrong type: its consumerId
+    too, though nothing keeps it)."""
     try:
         message = json_loads(data.decode("utf-8"))
     except ValueError:
@@ -5767,7 +5766,7 @@ def parse_hello(data):
             and isinstance(message.get("protocol"), int) and message["protocol"] >= 1
             and isinstance(message.get("consumerId"), str) and message["consumerId"]
             and isinstance(message.get("lastSeq"), int) and message["lastSeq"] >= 0):
-        return message["consumerId"], message["lastSeq"]
+        return message["lastSeq"]
     return None
 
 
@@ -5798,7 +5797,7 @@ def read_toolbar_frames(ws, hub, hello, state):
             ws.send_json({"type": "error", "code": "E_WS_PROTOCOL", "message": "malformed hello"})
             ws.close(4400, "malformed hello")
             break
-        state["consumer"], state["after"] = parsed
+        state["after"] = parsed
         hello.set()
     ws.closed = True
     hub.changed()
@@ -5839,8 +5838,6 @@ def serve_websocket(handler, hub, query):
         with hub.store() as store:
             last = last_seq(store.conn)
             backlog = events_after(store, state["after"], 500)
-            with store.write() as conn:
-                save_cursor(conn, state["consumer"], state["after"])
         ws.send_json({"type": "catch-up", "protocol": 1, "minProtocol": 1, "lastSeq": last,
                       "events": [event_frame(e) for e in backlog]})
         after = backlog[-1]["seq"] if backlog else state["after"]
