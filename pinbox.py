@@ -647,6 +647,10 @@ MIGRATIONS = {
     14: [
         "DROP TABLE IF EXISTS links",
         "DROP TABLE IF EXISTS cursors",
+        # A forgotten session's mail goes with it, whoever forgets it (the inbox's rows
+        # are written by the inbox alone).
+        "CREATE TRIGGER IF NOT EXISTS sessions_forgotten AFTER DELETE ON sessions "
+        "BEGIN DELETE FROM inbox WHERE session_id = old.id; END",
     ],
 }
 SCHEMA_VERSION = max(MIGRATIONS)
@@ -669,13 +673,13 @@ def _backfill_fts(conn):
         return
     for pin_id, raw in conn.execute("SELECT id, json FROM pins ORDER BY rowid").fetchall():
         conn.execute("INSERT INTO pins_fts(pin_id, kind, body) VALUES (?, 'pin', ?)",
-                     (pin_id, _text_of(raw)))
+                     (pin_id, stored_text(raw)))
     for pin_id, raw in conn.execute("SELECT pin_id, json FROM thread_messages ORDER BY rowid").fetchall():
         conn.execute("INSERT INTO pins_fts(pin_id, kind, body) VALUES (?, 'msg', ?)",
-                     (pin_id, _text_of(raw)))
+                     (pin_id, stored_text(raw)))
 
 
-def _text_of(raw):
+def stored_text(raw):
     try:
         text = json_loads(raw).get("text")
     except (ValueError, AttributeError):
@@ -763,6 +767,15 @@ class Store:
                 "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'pins_fts'").fetchone()
             self._fts = row is not None
         return self._fts
+
+    def reindex_pin(self, conn, pin_id, text):
+        """The pin's own words in the search index replaced by `text`, the old segments
+        merged away (what was redacted must not stay findable, nor in the file)."""
+        if not self.has_fts():
+            return
+        conn.execute("DELETE FROM pins_fts WHERE pin_id = ? AND kind = 'pin'", (pin_id,))
+        self.index_text(conn, pin_id, "pin", text)
+        conn.execute("INSERT INTO pins_fts(pins_fts) VALUES ('optimize')")
 
     def index_text(self, conn, pin_id, kind, text):
         if not self.has_fts():
@@ -1646,7 +1659,8 @@ def find_pin(conn, handle, named=False):
     return json_loads(row[0]) if row else None
 
 
-def _save_pin(conn, pin):
+def save_pin(conn, pin):
+    """Writes a changed pin back (whoever changed it: routing, sync, the hub)."""
     conn.execute("UPDATE pins SET status = ?, json = ? WHERE id = ?",
                  (pin["status"], dumps_compact(ordered(pin, PIN_KEYS)), pin["id"]))
 
@@ -1695,10 +1709,10 @@ def search_pin_ids(store, query):
     needle = query.casefold()
     found = []
     for pin_id, raw in store.conn.execute("SELECT id, json FROM pins"):
-        if needle in _text_of(raw).casefold():
+        if needle in stored_text(raw).casefold():
             found.append(pin_id)
     for pin_id, raw in store.conn.execute("SELECT pin_id, json FROM thread_messages"):
-        if needle in _text_of(raw).casefold():
+        if needle in stored_text(raw).casefold():
             found.append(pin_id)
     return sorted(set(found))
 
@@ -1725,6 +1739,11 @@ def add_message(store, handle, role, text, session=None, origin=None, attachment
         message = insert_message(conn, store, pin_id, dict(extra or {}, role=role, origin=origin, session=session,
                                                            text=text, attachments=attachments))
     return message
+
+
+def place_message(conn, message_id, place):
+    """A message's place in its thread, as every machine that syncs orders it."""
+    conn.execute("UPDATE thread_messages SET sort_key = ? WHERE id = ?", (place, message_id))
 
 
 def insert_message(conn, store, pin_id, fields, imported=None):
@@ -1759,7 +1778,7 @@ def resolve_pin(store, handle, by, note=None, commit=None, session=None):
         pin["status"] = "resolved"
         pin["resolution"] = ordered(resolution, ("by", "note", "commit", "session", "at"))
         pin.pop("verification", None)
-        _save_pin(conn, pin)
+        save_pin(conn, pin)
         record_event(conn, "pin.resolved", resolution["at"], ordered(pin, PIN_KEYS))
     return ordered(pin, PIN_KEYS)
 
@@ -1784,7 +1803,7 @@ def verify_pin(store, handle, outcome, note=None):
         pin["verification"] = verification
         if outcome == "reopened":
             pin["status"] = "open"
-        _save_pin(conn, pin)
+        save_pin(conn, pin)
         record_event(conn, "pin.verified", verification["at"], ordered(pin, PIN_KEYS))
     return ordered(pin, PIN_KEYS)
 
@@ -1806,7 +1825,7 @@ def record_after(store, handle, after):
         pin["after"] = ordered(record, ("at", "found", "attachment"))
         kept = [a for a in pin.get("attachments") or () if a.get("kind") != "after"]
         pin["attachments"] = kept + ([after["attachment"]] if after.get("attachment") else [])
-        _save_pin(conn, pin)
+        save_pin(conn, pin)
         record_event(conn, "pin.after", record["at"], ordered(pin, PIN_KEYS))
     return ordered(pin, PIN_KEYS)
 
@@ -1995,11 +2014,20 @@ def count_live_sessions(conn):
                         (stale_cutoff(),)).fetchone()[0]
 
 
-def active_session(conn):
-    """The most recently seen live session: who gets a pin nobody has yet."""
-    return _session(conn.execute(
-        "SELECT %s FROM sessions WHERE ended_at IS NULL AND last_seen_at >= ? "
-        "ORDER BY last_seen_at DESC, rowid DESC LIMIT 1" % _SESSION_COLUMNS, (stale_cutoff(),)).fetchone())
+def latest_session(conn, agent=None, root=None):
+    """The most recently seen live session (who gets a pin nobody has yet); with `agent`,
+    that agent's, and with `root`, one started there, in a folder under it, or nowhere
+    recorded (who an MCP server speaks for)."""
+    where, args = ["ended_at IS NULL", "last_seen_at >= ?"], [stale_cutoff()]
+    if agent:
+        where.append("agent = ?")
+        args.append(agent)
+    if root:
+        under = root.rstrip(os.sep) + os.sep
+        where.append("(cwd = ? OR cwd IS NULL OR substr(cwd, 1, ?) = ?)")
+        args += [root, len(under), under]
+    return _session(conn.execute("SELECT %s FROM sessions WHERE %s ORDER BY last_seen_at DESC, rowid DESC LIMIT 1"
+                                 % (_SESSION_COLUMNS, " AND ".join(where)), args).fetchone())
 
 
 def seen_now(conn):
@@ -2052,11 +2080,15 @@ def end_session(conn, session):
     return ended
 
 
+def touch_session(conn, session_id):
+    """The session was seen now (its Stop hook ran): it is not stale."""
+    conn.execute("UPDATE sessions SET last_seen_at = ? WHERE id = ?", (seen_now(conn), session_id))
+
+
 def forget_session(conn, session):
     """Deletes a session (its pins keep their binding: a later message on one of them
-    registers the session again)."""
+    registers the session again). Its inbox goes with it (the store's trigger)."""
     conn.execute("DELETE FROM sessions WHERE id = ?", (session["id"],))
-    conn.execute("DELETE FROM inbox WHERE session_id = ?", (session["id"],))
     unclaim_deliveries(conn, session["id"])
 
 
@@ -2158,7 +2190,7 @@ def target_session(conn, pin):
             # never where a pin's binding (a page's, a teammate's) says.
             session = insert_session(conn, ref["agent"], ref["key"], None, ended=True)
         return session
-    session = active_session(conn)
+    session = latest_session(conn)
     if session is not None:
         bind_pin(conn, pin, session)
     return session
@@ -2169,12 +2201,17 @@ def bind_pin(conn, pin, session):
     if session.get("cwd"):
         ref["cwd"] = session["cwd"]
     pin["agentSession"] = ref
-    _save_pin(conn, pin)
+    save_pin(conn, pin)
+    record_binding(conn, pin["id"], ref)
+
+
+def record_binding(conn, pin_id, ref):
+    """A pin bound to a session here: a row that sync carries as the event `pin.bound`."""
     conn.execute("INSERT INTO bindings(pin_id, after_seq, ref, at) VALUES (?, ?, ?, ?)",
-                 (pin["id"], last_seq(conn), dumps_compact(ref), iso_time()))
+                 (pin_id, last_seq(conn), dumps_compact(ref), iso_time()))
 
 
-def _which(name):
+def find_binary(name):
     import shutil
     return shutil.which(name)
 
@@ -2193,10 +2230,10 @@ def adapter_matches(adapter, session):
     if adapter == "hooks":
         return agent in PULL_AGENTS and is_live(session)
     if adapter == "openclaw":
-        return agent == "openclaw" and _which("openclaw") is not None
+        return agent == "openclaw" and find_binary("openclaw") is not None
     if adapter == "resume":
         binary = resume_binary(session)
-        return binary is not None and _which(binary) is not None
+        return binary is not None and find_binary(binary) is not None
     if adapter == "webhook":
         return bool(os.environ.get("PINBOX_WEBHOOK_URL") and os.environ.get("PINBOX_WEBHOOK_SECRET"))
     return False
@@ -2206,7 +2243,7 @@ def missing_binary(session):
     """The agent's binary when its absence from this PATH is all that keeps an ended
     session from being resumed from here, else None."""
     binary = resume_binary(session)
-    return binary if binary is not None and _which(binary) is None else None
+    return binary if binary is not None and find_binary(binary) is None else None
 
 
 def first_adapter(session, after=None):
@@ -2347,7 +2384,7 @@ def collect_mid_turn(store, agent, key):
         session = find_session(conn, (agent, key))
         if session is None:
             return Arrivals(conn, [])
-        conn.execute("UPDATE sessions SET last_seen_at = ? WHERE id = ?", (seen_now(conn), session["id"]))
+        touch_session(conn, session["id"])
         # Notes and accepted fixes never hold the agent: they wait for its next prompt.
         rows = pending_pulls(conn, session["id"], HOOK_CAP, loud=True)
         arrivals = Arrivals(conn, rows).only_open()
@@ -2418,9 +2455,9 @@ def pin_progress(conn, pins):
         states[pin["id"]] = ordered(state, ("state",))
         speakers.update(ref for ref in (state.get("session"), (last or {}).get("session")) if ref)
     for ref in sorted(speakers.difference(sessions)):
-        found = conn.execute("SELECT agent, key FROM sessions WHERE id = ?", (ref,)).fetchone()
+        found = find_session(conn, ref)
         if found:
-            sessions[ref] = {"agent": found[0], "key": found[1]}
+            sessions[ref] = {"agent": found["agent"], "key": found["key"]}
     return states, sessions
 
 
@@ -2717,6 +2754,12 @@ def keep_context(store, writes, context):
                      (writes, context_maker(), context))
 
 
+def forget_prompt_context(conn):
+    """The kept context is dropped (a redaction took words it holds): the next prompt
+    makes it anew."""
+    conn.execute("DELETE FROM prompt_context")
+
+
 def context_maker():
     """This pinbox: its version and its file's time (a changed file may word things anew)."""
     try:
@@ -2943,7 +2986,7 @@ class InterruptsHeld:
 def push_openclaw(event, session, pin, pushes):
     """Queues the text for the session's next heartbeat. A key makes OpenClaw wake the
     session at once, so the main session gets none (its events ride the heartbeat)."""
-    binary = _which("openclaw")
+    binary = find_binary("openclaw")
     if binary is None:
         raise PushFailed("openclaw not found on PATH to push to session key %s" % session["key"])
     argv = [binary, "system", "event", "--mode", "next-heartbeat", "--text", push_text(event, pin)]
@@ -2971,7 +3014,7 @@ def resume_argv(agent, binary, key, prompt):
 def push_resume(event, session, pin, pushes):
     """Wakes an ended session under its own key, in its recorded folder — never a fresh
     session passed off as the old one."""
-    binary = _which(RESUME_BINARIES.get(session["agent"], ""))
+    binary = find_binary(RESUME_BINARIES.get(session["agent"], ""))
     if session["key"].startswith("-"):  # stored before keys were checked: it would read as an option
         raise PushFailed("E_SESSION_GONE: session key %s cannot be passed to %s" % (session["key"], session["agent"]),
                          final=True)
@@ -4146,9 +4189,7 @@ def stage_local_events(conn, device):
         # Pins bound before this store first synced have no binding row yet.
         for pin_id, raw in conn.execute("SELECT id, json FROM pins WHERE json_extract(json, '$.agentSession') "
                                         "IS NOT NULL AND id NOT IN (SELECT pin_id FROM bindings)").fetchall():
-            ref = json_loads(raw)["agentSession"]
-            conn.execute("INSERT INTO bindings(pin_id, after_seq, ref, at) VALUES (?, ?, ?, ?)",
-                         (pin_id, last_seq(conn), dumps_compact(ref), iso_time()))
+            record_binding(conn, pin_id, json_loads(raw)["agentSession"])
     imported = set(r[0] for r in conn.execute("SELECT seq FROM sync_events WHERE seq > ? AND device != ?",
                                               (done_seq, device)))
     items = []
@@ -4170,7 +4211,7 @@ def stage_local_events(conn, device):
                      "VALUES (?, ?, ?, ?, ?, ?, ?, 1)", (event["id"], device, clock, pin_id, kind,
                                                          None if is_binding else local_id, dumps_compact(event)))
         if kind == "thread.message":
-            conn.execute("UPDATE thread_messages SET sort_key = ? WHERE id = ?", (sort_key(event), payload.get("id")))
+            place_message(conn, payload.get("id"), sort_key(event))
     set_sync_settings(conn, clock=clock, stagedSeq=done_seq, stagedBinding=done_binding)
     return len(items)
 
@@ -4330,12 +4371,10 @@ def scrub_pin(conn, store, pin_id, what):
     pin = find_pin(conn, pin_id)
     kept = redacted(pin, what)
     files = [media_name(a) for a in pin.get("attachments") or () if a not in kept.get("attachments", [])]
-    conn.execute("UPDATE pins SET json = ? WHERE id = ?", (dumps_compact(kept), pin_id))
-    if what.get("words") and store.has_fts():
-        conn.execute("DELETE FROM pins_fts WHERE pin_id = ? AND kind = 'pin'", (pin_id,))
-        store.index_text(conn, pin_id, "pin", REDACTED)
-        conn.execute("INSERT INTO pins_fts(pins_fts) VALUES ('optimize')")  # (its old segments merged away)
-    conn.execute("DELETE FROM prompt_context")  # (an agent's kept context, made anew at its next prompt)
+    save_pin(conn, kept)
+    if what.get("words"):
+        store.reindex_pin(conn, pin_id, REDACTED)
+    forget_prompt_context(conn)  # (an agent's kept context, made anew at its next prompt)
     conn.execute("DELETE FROM sync_rejects WHERE instr(body, ?) > 0", (pin_id,))
     rewrite_pin_events(conn, pin_id, lambda payload: redacted(payload, what))
     for event_id, raw in conn.execute("SELECT id, body FROM sync_events WHERE pin_id = ? AND type IN (%s)"
@@ -4820,7 +4859,7 @@ def refold_pin(conn, pin_id, device, appended, media):
             pin.pop(field, None)
         else:
             pin[field] = value
-    _save_pin(conn, pin)
+    save_pin(conn, pin)
     for event in news:  # the pin as it is now, for the page's stream and the ledger
         seq = record_event(conn, event["type"], event["at"], ordered(pin, PIN_KEYS), routed=False)
         conn.execute("UPDATE sync_events SET seq = ? WHERE id = ?", (seq, event["id"]))
@@ -6744,7 +6783,7 @@ class Hub:
             if renamed:
                 with store.write() as conn:
                     for pin in renamed:
-                        _save_pin(conn, pin)
+                        save_pin(conn, pin)
 
     def restore_proxies(self):
         """The page proxies of earlier hubs, on their ports again: a tab left open on one,
@@ -7633,11 +7672,7 @@ class McpServer:
             if found is None and agent is None and os.environ.get("CLAUDECODE"):
                 agent = "claude"
             if found is None and agent:
-                under = self.root.rstrip(os.sep) + os.sep
-                found = _session(self.store.conn.execute(
-                    "SELECT %s FROM sessions WHERE agent = ? AND ended_at IS NULL AND last_seen_at >= ? AND "
-                    "(cwd = ? OR cwd IS NULL OR substr(cwd, 1, ?) = ?) ORDER BY last_seen_at DESC, rowid DESC "
-                    "LIMIT 1" % _SESSION_COLUMNS, (agent, stale_cutoff(), self.root, len(under), under)).fetchone())
+                found = latest_session(self.store.conn, agent, self.root)
         return found
 
     def instructions(self):
@@ -8577,7 +8612,7 @@ def detected_agents(root):
     """Agents that look installed here: their binary on PATH or their config folder."""
     found = []
     for agent, folder in (("claude", "~/.claude"), ("codex", "~/.codex"), ("hermes", "~/.hermes")):
-        if _which(agent) or os.path.isdir(os.path.expanduser(folder)):
+        if find_binary(agent) or os.path.isdir(os.path.expanduser(folder)):
             found.append(agent)
     return found
 
@@ -10120,11 +10155,11 @@ def _parser_message(message):
 
 def is_hook_command(argv):
     """`session <verb> --hook …` (--json anywhere before `--`): a hook that never fails."""
-    argv = _split_json_flag(argv)[1]
+    argv = split_json_flag(argv)[1]
     return argv[:1] == ["session"] and "--hook" in argv
 
 
-def _split_json_flag(argv):
+def split_json_flag(argv):
     """--json may stand anywhere before `--`; it decides the output mode even for
     errors the parser raises."""
     if "--" in argv:
@@ -10145,8 +10180,8 @@ def run(argv=None, cwd=None):
     (--hook) never fails its caller: whatever goes wrong, one line on stderr, exit 0."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if is_hook_command(argv):
-        return run_hook(_split_json_flag(argv)[1][1:], cwd)
-    json_flag, argv = _split_json_flag(argv)
+        return run_hook(split_json_flag(argv)[1][1:], cwd)
+    json_flag, argv = split_json_flag(argv)
     out = Output(json_flag or not sys.stdout.isatty(), json_flag)
     verb = next((a for a in argv if a in VERBS), None)
     ctx = None
@@ -10273,7 +10308,7 @@ def main():
         except (AttributeError, ValueError):
             pass
     if is_hook_command(sys.argv[1:]):
-        code = run_hook(_split_json_flag(sys.argv[1:])[1][1:], close=False)
+        code = run_hook(split_json_flag(sys.argv[1:])[1][1:], close=False)
     else:
         code = run()
     # A command is done once its output is out: skip the interpreter's teardown (freeing

@@ -1113,6 +1113,43 @@ OUTBOX_EMPTY = ("new Promise((done, fail) => { const open = indexedDB.open('pinb
                 " count.onerror = () => { db.close(); fail(count.error); }; }; })")
 
 
+def file_banners(source):
+    """[(first line, title)] of each section banner of a source file."""
+    lines = source.split("\n")
+    return [(i + 2, lines[i + 1][2:].strip()) for i in range(len(lines) - 2)
+            if lines[i].startswith("# =====") and lines[i + 2].startswith("# =====")]
+
+
+# Any SQL statement that writes a table, in any case and spacing; a table named through
+# `%s` or `{}` is caught as such (no section can be shown to own it).
+SQL_WRITE = re.compile(r"\b(?:INSERT(?:\s+OR\s+\w+)?\s+INTO|REPLACE\s+INTO|UPDATE(?:\s+OR\s+\w+)?|DELETE\s+FROM)"
+                       r"\s+(%s|\{\w*\}|\w+)", re.I)
+
+
+def sql_writers(source):
+    """{(section, table)} of every SQL write in pinbox.py to one of the store's tables,
+    the migrations aside (MIGRATIONS and the _backfill_ steps it runs change the schema
+    itself). A string with a placeholder for its table counts as table "%s"."""
+    import ast
+    tree = ast.parse(source)
+    banners = file_banners(source)
+    tables = {name.lower() for statements in pinbox.MIGRATIONS.values() for statement in statements
+              for name in re.findall(r"CREATE (?:VIRTUAL )?TABLE IF NOT EXISTS (\w+)", statement)}
+    skipped = set()
+    for node in tree.body:
+        named = [t.id for t in getattr(node, "targets", ()) if isinstance(t, ast.Name)]
+        if named == ["MIGRATIONS"] or getattr(node, "name", "").startswith("_backfill_"):
+            skipped.update(id(sub) for sub in ast.walk(node))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skipped:
+            for table in SQL_WRITE.findall(node.value):
+                if table.lower() in tables or not table.isidentifier():
+                    found.add(([title for at, title in banners if at < node.lineno][-1],
+                                table.lower() if table.isidentifier() else "%s"))
+    return found
+
+
 def drop_pin(browser, target, text):
     """A person drops a pin: the toolbar's button, a click on the element, the comment,
     Submit. Waits for its marker."""
@@ -1673,29 +1710,15 @@ class TestKills(HubCase):
 class TestLedger(unittest.TestCase):
     LEDGER = "Events and the delivery ledger"
 
-    @staticmethod
-    def writers(source):
-        """(section, table) of every SQL statement in pinbox.py that writes the event log
-        or the delivery ledger."""
-        import ast
-        lines = source.split("\n")
-        banners = [(i + 2, lines[i + 1][2:].strip()) for i in range(len(lines) - 2)
-                   if lines[i].startswith("# =====") and lines[i + 2].startswith("# =====")]
-        found = set()
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str):
-                for table in re.findall(r"(?:INSERT INTO|UPDATE|DELETE FROM) (deliveries|events)\b", node.value):
-                    found.add(([title for at, title in banners if at < node.lineno][-1], table))
-        return found
-
     def test_only_the_ledger_section_writes_the_ledger_and_the_event_log(self):
         with open(SCRIPT, encoding="utf-8") as handle:
             source = handle.read()
-        self.assertEqual(self.writers(source), {(self.LEDGER, "deliveries"), (self.LEDGER, "events")})
+        writers = {(section, table) for section, table in sql_writers(source) if table in ("deliveries", "events")}
+        self.assertEqual(writers, {(self.LEDGER, "deliveries"), (self.LEDGER, "events")})
         # And the scan sees one elsewhere: a sync that skipped rows itself is caught.
         stray = source.replace("def moved_elsewhere(conn, pin, before):", "def moved_elsewhere(conn, pin, before):\n"
                                "    conn.execute(\"UPDATE deliveries SET status = 'skipped'\")", 1)
-        self.assertIn(("Sync: the record in the repository's own git refs", "deliveries"), self.writers(stray))
+        self.assertIn(("Sync: the record in the repository's own git refs", "deliveries"), sql_writers(stray))
 
 
 # ============================================================================
@@ -12449,21 +12472,29 @@ def importlib_cache(path):
 # ============================================================================
 
 class TestTheHouse(unittest.TestCase):
-    """pinbox.py reads top to bottom: a section uses only names defined in it or above it
-    (the entry points and the Assets aside)."""
+    """pinbox.py reads top to bottom: a section uses only names defined in it or above it,
+    every section, the entry points and the assets included."""
 
-    # The two that reach forward by design: the store's migration fills in the ledger's
-    # pin column (the ledger's own rule, kept with it), and the ledger hands each event it
-    # records to routing, which needs the pins and sessions defined after the ledger.
-    KNOWN = {("Store: files, schema, migrations", "backfill_delivery_pins"),
-             ("Events and the delivery ledger", "route_event")}
+    ASSETS = "Assets: the page toolbar, the overview page, the demo page"
+    # The few that reach forward by design, each with its reason:
+    KNOWN = {
+        # the store's migration fills in the ledger's pin column (the ledger's own rule, kept with it);
+        ("Store: files, schema, migrations", "backfill_delivery_pins"),
+        # the ledger hands each event it records to routing, which needs the pins and
+        # sessions defined after the ledger;
+        ("Events and the delivery ledger", "route_event"),
+        # the hub serves the pages and scripts kept at the back of the file, as bottle
+        # keeps its templates: long strings that would stand between every section.
+        ("Hub: the request router", "TOOLBAR_JS"), ("Hub: the request router", "EARLY_JS"),
+        ("Hub: the request router", "PAGE_HTML"), ("Hub: the request router", "DEMO_HTML"),
+        ("Hub: the page proxy", "DOWN_PAGE")}
 
     @staticmethod
     def forward_references(source):
+        """{(section, name)}: a name a section uses before the section that defines it
+        (a function's own locals and arguments aside)."""
         import ast
-        lines = source.split("\n")
-        banners = [(i + 2, lines[i + 1][2:].strip()) for i in range(len(lines) - 2)
-                   if lines[i].startswith("# =====") and lines[i + 2].startswith("# =====")]
+        banners = file_banners(source)
         section = lambda line: max([n for n, (at, _) in enumerate(banners) if line > at] or [0])
         tree = ast.parse(source)
         defined = {}
@@ -12472,16 +12503,67 @@ class TestTheHouse(unittest.TestCase):
                 target.id for target in getattr(node, "targets", ()) if isinstance(target, ast.Name)]
             for name in names:
                 defined.setdefault(name, section(node.lineno))
-        aside = {n for n, (_, title) in enumerate(banners) if title.startswith(("Entry points", "Assets"))}
         found = set()
         for node in tree.body:
             here = section(node.lineno)
-            if here in aside:
-                continue
+            own = {sub.id for sub in ast.walk(node) if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store)}
+            own.update(arg.arg for sub in ast.walk(node) if isinstance(sub, ast.arguments)
+                       for arg in sub.args + sub.kwonlyargs + [sub.vararg, sub.kwarg] if arg)
+            own.update(sub.name for sub in ast.walk(node) if isinstance(sub, ast.FunctionDef) and sub is not node)
             for sub in ast.walk(node):
-                if isinstance(sub, ast.Name) and defined.get(sub.id, -1) > here and defined[sub.id] not in aside:
+                if isinstance(sub, ast.Name) and sub.id not in own and defined.get(sub.id, -1) > here:
                     found.add((banners[here][1], sub.id))
         return found
+
+    # Each table and the one section that writes it (the migrations aside).
+    ROUTING = "Routing: which session hears of each event, and how"
+    SYNC = "Sync: the record in the repository's own git refs"
+    WRITERS = {"events": "Events and the delivery ledger", "deliveries": "Events and the delivery ledger",
+               "pins": "Pins and threads", "thread_messages": "Pins and threads",
+               "pins_fts": "Store: files, schema, migrations", "sessions": "Sessions", "bindings": ROUTING,
+               "prompt_context": ROUTING, "inbox": "Inbox",
+               "asks": "Questions: an agent asks the person to point at something", "sync_settings": SYNC,
+               "sync_events": SYNC, "sync_imports": SYNC, "sync_rejects": SYNC}
+
+    def test_each_table_has_one_writer_section(self):
+        with open(SCRIPT, encoding="utf-8") as handle:
+            source = handle.read()
+        found = sql_writers(source)
+        tables = {table for _, table in found}
+        self.assertEqual(tables - set(self.WRITERS), set())  # (a table named through %s among them)
+        for table, owner in self.WRITERS.items():
+            with self.subTest(table=table):
+                self.assertEqual({section for section, t in found if t == table}, {owner})
+        # The scan sees a writer in the wrong section, in any case and spacing, and a
+        # table named through %.
+        for stray in ('    conn.execute("insert  or replace\\n into sessions(id) VALUES (1)")\n',
+                      '    conn.execute("DELETE FROM %s" % "sessions")\n'):
+            planted = source.replace("def moved_elsewhere(conn, pin, before):\n",
+                                     "def moved_elsewhere(conn, pin, before):\n" + stray, 1)
+            self.assertEqual(sql_writers(planted) - found, {(self.SYNC, "sessions" if "insert" in stray else "%s")})
+
+    def test_a_private_helper_is_called_only_in_its_own_section(self):
+        with open(SCRIPT, encoding="utf-8") as handle:
+            source = handle.read()
+        self.assertEqual(self.private_strays(source), set())
+        planted = source.replace("def moved_elsewhere(conn, pin, before):\n",
+                                 "def moved_elsewhere(conn, pin, before):\n    _session(None)\n", 1)
+        self.assertEqual(self.private_strays(planted), {("_session", self.SYNC)})
+
+    @staticmethod
+    def private_strays(source):
+        """{(name, section)}: a `_name` of one section used in another."""
+        import ast
+        banners = file_banners(source)
+        section = lambda line: ([title for at, title in banners if at < line] or ["(the file's head)"])[-1]
+        tree = ast.parse(source)
+        home = {}
+        for node in tree.body:
+            names = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
+                target.id for target in getattr(node, "targets", ()) if isinstance(target, ast.Name)]
+            home.update((name, section(node.lineno)) for name in names if name.startswith("_") and name[1] != "_")
+        return {(sub.id, section(node.lineno)) for node in tree.body for sub in ast.walk(node)
+                if isinstance(sub, ast.Name) and sub.id in home and home[sub.id] != section(node.lineno)}
 
     def test_the_tests_stand_under_the_banners_of_what_they_test_in_its_order(self):
         def banners(path):
@@ -12509,12 +12591,13 @@ class TestTheHouse(unittest.TestCase):
         with open(SCRIPT, encoding="utf-8") as handle:
             source = handle.read()
         self.assertEqual(self.forward_references(source) - self.KNOWN, set())
-        # And the walk sees one: a helper moved below its first user is caught.
-        entry = "# ============================================================================\n# Entry points"
-        moved = source.replace("def write_err(text):", "def write_err_moved(text):", 1).replace(
-            entry, "def write_err(text):\n    pass\n\n\n" + entry, 1)
-        self.assertIn(("Sync: the record in the repository's own git refs", "write_err"),
-                      self.forward_references(moved) - self.KNOWN)
+        # And the walk sees one: a helper moved into the entry points, or into the
+        # assets, is caught.
+        for banner in ("Entry points", "Assets"):
+            at = "# ============================================================================\n# " + banner
+            moved = source.replace("def write_err(text):", "def write_err_moved(text):", 1).replace(
+                at, "def write_err(text):\n    pass\n\n\n" + at, 1)
+            self.assertIn((self.SYNC, "write_err"), self.forward_references(moved) - self.KNOWN, banner)
 
 
 class TestAssets(unittest.TestCase):
