@@ -33,6 +33,64 @@ or import it (`import pinbox; pinbox.run(["list", "--json"])`); importing has no
 effects.
 """
 
+# ----------------------------------------------------------------------------
+# The map of this file: five parts, each a run of sections under banners, in the order
+# data flows (a pin arrives, is kept, is routed and pushed, then shown and spoken to).
+#
+# Foundations
+#   Constants and errors — the one error type, its codes' exit and HTTP status; ids, times
+#   Helpers used everywhere: git, processes, files, JSON — the one way to write a file, run git, read JSON
+# The record
+#   Store: files, schema, migrations — the SQLite file, its migrations, the search index
+#   Events and the delivery ledger — the event log and the deliveries table: their only writer
+#   Shapes: what arrives from outside, checked whole — one declaration per input; the secret detectors
+#   Pins and threads — the one insert of a pin and of a message, kind and gesture, status
+#   Sessions — an agent's session: found, registered, touched, forgotten
+# Moving data
+#   Routing: which session hears of each event, and how — bindings, claims, a pin's progress
+#   Hook collection: what a prompt and a Stop take — the rows a hook claims, capped
+#   What an agent is shown: the context a hook prints — pins and messages as framed text
+#   Adapters and the delivery worker: pushing to agents that do not pull — resume, OpenClaw, webhook
+#   Commit trailers — `Fixes: pin_…` read from commits, and what it resolves
+#   Inbox — messages between agent sessions, acked by the receiver
+#   Questions: an agent asks the person to point at something — asks and their one answer
+#   Evidence: where an element comes from, in this checkout — source maps, frameworks, the line checked
+#   Sync: the record in the repository's own git refs — events out and in, checked whole
+# Interfaces
+#   Hub: the request router — routes as pure functions of (hub, request)
+#   Hub: streams (server-sent events and the WebSocket) — live events for pages
+#   Hub: the HTTP handler — auth, Origin and Host, sizes: the server's shell
+#   Hub: the page proxy — an app served with the toolbar, failures noted per page load
+#   Hub: its state — what one running hub holds (store handles, proxies, counters)
+#   Hub: finding and starting hubs — one hub per store, started in the background
+#   Hub: process life (serving until idle or told to stop) — idle exit, signals, clean up
+#   MCP: pins, threads and the inbox for any agent, over stdio — tools and resources
+#   Hook I/O: what a hook reads and prints — each agent's hook payloads, failing open
+#   Installers: git and agent hooks, .gitignore — init's plans, idempotent, --dry-run
+#   CLI: output — the envelope, human lines, a closed pipe
+#   CLI: the command context — what every verb gets; the store opened on first use
+#   CLI: setting up — init, open, toolbar
+#   CLI: pins and threads — pin, summary, list, show, reply, resolve, verify, ask, reopen, redact, export
+#   CLI: the hub, sync and installing — sync, stop, mcp, install, serve
+#   CLI: agent sessions and inboxes — session register|inject|pending|end|forget|list|trailer, agent …
+#   CLI: doctor, its probes — each check says what it found, or fails, or warns
+#   CLI: the parser — argparse, one table of verbs
+#   Entry points — main, run (the import API), main_as_command
+# Assets
+#   Assets: the page toolbar, the overview page, the demo page — strings served by the hub
+#
+# Layering: a section uses only names defined in itself or above it (TestTheHouse walks
+# the syntax tree to hold this). Known cycles, each allowed because the alternative
+# splits one rule in two places: the store's migration calls the ledger's
+# backfill_delivery_pins (the ledger's own rule, kept with the ledger); the ledger hands
+# each event it records to route_event (routing needs pins and sessions, defined after
+# the ledger); the hub serves the assets kept at the back, as bottle keeps its templates.
+# Each table has one section that writes it (migrations aside): TestTheHouse.WRITERS.
+# Imports sit inside the functions that need them: a hook runs on every prompt and every
+# commit, and json's Python half, re, argparse, subprocess or threading at the top would
+# cost each of them milliseconds (TestTheFileAsACommand names what a hook may import).
+# ----------------------------------------------------------------------------
+
 import os
 import sys
 import time
@@ -200,6 +258,10 @@ def env_number(name, default):
         return default
     return value if value > 0 else default
 
+
+# ============================================================================
+# Helpers used everywhere: git, processes, files, JSON
+# ============================================================================
 
 def git_output(args, cwd):
     """stdout of a git command run in `cwd`, or None when git is missing or fails."""
@@ -2287,6 +2349,73 @@ def claim_unassigned(conn, session):
         claim_delivery(conn, row_id, target["id"], adapter, status, due)
 
 
+def pin_progress(conn, pins):
+    """Where each pin stands, for the page: resolved (by whom, with which commit),
+    replied (the agent spoke last), failed (its newest ledger row, with the error),
+    delivered (to which session, when) or waiting (for a session, or for its bound one
+    to pick up news). Returns (states by pin id, the sessions they name by id)."""
+    ids = [pin["id"] for pin in pins]
+    rows, last_words, sessions, speakers = {}, {}, {}, set()
+    for start in range(0, len(ids), 500):  # SQLite's bound-parameter limit
+        chunk = ids[start:start + 500]
+        marks = ",".join("?" * len(chunk))
+        rows.update(newest_deliveries(conn, chunk))
+        # The last word in the thread's own order (the one every synced machine shares).
+        for pin_id, raw in conn.execute(
+                "SELECT pin_id, json FROM (SELECT pin_id, json, ROW_NUMBER() OVER (PARTITION BY pin_id ORDER BY "
+                "COALESCE(sort_key, '~') DESC, rowid DESC) AS place FROM thread_messages WHERE pin_id IN (%s)) "
+                "WHERE place = 1" % marks, chunk):
+            last_words[pin_id] = json_loads(raw)
+        # Every session that spoke in these threads: a thread drawn later names each of them.
+        speakers.update(ref for (ref,) in conn.execute(
+            "SELECT DISTINCT json_extract(json, '$.session') FROM thread_messages WHERE pin_id IN (%s) "
+            "AND json_extract(json, '$.role') = 'agent'" % marks, chunk) if isinstance(ref, str))
+    states, now = {}, time.time()
+    for pin in pins:
+        last = last_words.get(pin["id"])
+        status, error, at, adapter, sid = rows.get(pin["id"], (None,) * 5)
+        owner = pin.get("agentSession")
+        if last and last.get("machine") and isinstance(last.get("agentSession"), dict):
+            last = dict(last, session=remote_session_ref(last["agentSession"], last["machine"], sessions))
+        if pin.get("status") == "resolved":
+            state = dict(pin.get("resolution") or {}, state="resolved")
+        elif last and last.get("role") == "agent":
+            state = {"state": "replied", "at": last.get("at"), "session": last.get("session")}
+        elif is_remote(owner):  # it reached a session on another machine: the binding says when
+            state = {"state": "delivered", "at": owner.get("at"), "adapter": "remote",
+                     "session": remote_session_ref(owner, owner, sessions)}
+        elif status == "failed":
+            state = {"state": "failed", "error": error, "at": at, "session": sid}
+        elif status == "delivered":
+            state = {"state": "delivered", "at": at, "adapter": adapter, "session": sid}
+            if (parse_iso(at) or now) < now - env_number("PINBOX_STALE_MS", 600000) / 1000.0:
+                state["stale"] = True  # no word from the agent since: the page offers a nudge
+        else:
+            state = {"state": "waiting", "session": sid}
+        if last:
+            state["lastMessage"] = {"role": last.get("role"), "text": last.get("text", "")[:300], "at": last.get("at"),
+                                    "session": last.get("session")}
+        states[pin["id"]] = ordered(state, ("state",))
+        speakers.update(ref for ref in (state.get("session"), (last or {}).get("session")) if ref)
+    for ref in sorted(speakers.difference(sessions)):
+        found = find_session(conn, ref)
+        if found:
+            sessions[ref] = {"agent": found["agent"], "key": found["key"]}
+    return states, sessions
+
+
+def remote_session_ref(ref, machine, sessions):
+    """How the page names a session of another machine (it has no id here)."""
+    name = "%s/%s:%s" % (machine.get("device"), ref.get("agent"), ref.get("key"))
+    sessions[name] = {"agent": ref.get("agent"), "key": ref.get("key"), "host": machine.get("host") or "",
+                      "by": ref.get("by") or person_of_batch(machine.get("author") or "")}
+    return name
+
+
+# ============================================================================
+# Hook collection: what a prompt and a Stop take
+# ============================================================================
+
 def open_pins(conn, limit=-1):
     """The open pins an agent here is shown, newest first (at most `limit`; -1: all):
     not those another machine's session owns."""
@@ -2406,70 +2535,9 @@ def peek_pending(store, agent, key):
     return list(pins.values())
 
 
-def pin_progress(conn, pins):
-    """Where each pin stands, for the page: resolved (by whom, with which commit),
-    replied (the agent spoke last), failed (its newest ledger row, with the error),
-    delivered (to which session, when) or waiting (for a session, or for its bound one
-    to pick up news). Returns (states by pin id, the sessions they name by id)."""
-    ids = [pin["id"] for pin in pins]
-    rows, last_words, sessions, speakers = {}, {}, {}, set()
-    for start in range(0, len(ids), 500):  # SQLite's bound-parameter limit
-        chunk = ids[start:start + 500]
-        marks = ",".join("?" * len(chunk))
-        rows.update(newest_deliveries(conn, chunk))
-        # The last word in the thread's own order (the one every synced machine shares).
-        for pin_id, raw in conn.execute(
-                "SELECT pin_id, json FROM (SELECT pin_id, json, ROW_NUMBER() OVER (PARTITION BY pin_id ORDER BY "
-                "COALESCE(sort_key, '~') DESC, rowid DESC) AS place FROM thread_messages WHERE pin_id IN (%s)) "
-                "WHERE place = 1" % marks, chunk):
-            last_words[pin_id] = json_loads(raw)
-        # Every session that spoke in these threads: a thread drawn later names each of them.
-        speakers.update(ref for (ref,) in conn.execute(
-            "SELECT DISTINCT json_extract(json, '$.session') FROM thread_messages WHERE pin_id IN (%s) "
-            "AND json_extract(json, '$.role') = 'agent'" % marks, chunk) if isinstance(ref, str))
-    states, now = {}, time.time()
-    for pin in pins:
-        last = last_words.get(pin["id"])
-        status, error, at, adapter, sid = rows.get(pin["id"], (None,) * 5)
-        owner = pin.get("agentSession")
-        if last and last.get("machine") and isinstance(last.get("agentSession"), dict):
-            last = dict(last, session=remote_session_ref(last["agentSession"], last["machine"], sessions))
-        if pin.get("status") == "resolved":
-            state = dict(pin.get("resolution") or {}, state="resolved")
-        elif last and last.get("role") == "agent":
-            state = {"state": "replied", "at": last.get("at"), "session": last.get("session")}
-        elif is_remote(owner):  # it reached a session on another machine: the binding says when
-            state = {"state": "delivered", "at": owner.get("at"), "adapter": "remote",
-                     "session": remote_session_ref(owner, owner, sessions)}
-        elif status == "failed":
-            state = {"state": "failed", "error": error, "at": at, "session": sid}
-        elif status == "delivered":
-            state = {"state": "delivered", "at": at, "adapter": adapter, "session": sid}
-            if (parse_iso(at) or now) < now - env_number("PINBOX_STALE_MS", 600000) / 1000.0:
-                state["stale"] = True  # no word from the agent since: the page offers a nudge
-        else:
-            state = {"state": "waiting", "session": sid}
-        if last:
-            state["lastMessage"] = {"role": last.get("role"), "text": last.get("text", "")[:300], "at": last.get("at"),
-                                    "session": last.get("session")}
-        states[pin["id"]] = ordered(state, ("state",))
-        speakers.update(ref for ref in (state.get("session"), (last or {}).get("session")) if ref)
-    for ref in sorted(speakers.difference(sessions)):
-        found = find_session(conn, ref)
-        if found:
-            sessions[ref] = {"agent": found["agent"], "key": found["key"]}
-    return states, sessions
-
-
-def remote_session_ref(ref, machine, sessions):
-    """How the page names a session of another machine (it has no id here)."""
-    name = "%s/%s:%s" % (machine.get("device"), ref.get("agent"), ref.get("key"))
-    sessions[name] = {"agent": ref.get("agent"), "key": ref.get("key"), "host": machine.get("host") or "",
-                      "by": ref.get("by") or person_of_batch(machine.get("author") or "")}
-    return name
-
-
-# --- What an agent is shown -----------------------------------------------------
+# ============================================================================
+# What an agent is shown: the context a hook prints
+# ============================================================================
 
 CONTEXT_LIMIT = 9000  # Claude Code turns hook output over 10,000 characters into a file
 POINTER = ("Details: `pinbox show <id>` · reply: `pinbox reply <id> <text> --as agent` · "
@@ -7206,13 +7274,13 @@ def run_hub(root, port=None, ephemeral_inbox=False, ready=None):
         write_file(hub_json, json.dumps({"pid": os.getpid(), "port": bound, "token": hub.token,
                                          "localToken": hub.local_token, "project": root, "version": VERSION},
                                         indent=2) + "\n", private=True)
-        write_file(server_json, json.dumps({"port": bound}, indent=2) + "\n")
         try:
             user_copy = user_hub_json(root)
             write_file(user_copy, json.dumps({"pid": os.getpid(), "port": bound, "token": hub.token, "project": root,
                                               "version": VERSION}, indent=2) + "\n", private=True)
         except (OSError, PinboxError):
             user_copy = None  # only `stop --all` of this user reads it
+        write_file(server_json, json.dumps({"port": bound}, indent=2) + "\n")  # last: the hub is ready
         owner = "hub-%d-%s" % (os.getpid(), new_id("ses")[4:])
         for target, args in ((hub.watch, (hub.stopping,)), (delivery_worker, (hub, hub.stopping, owner)),
                              (watch_idle, (hub, server)), (sync_worker, (hub, hub.stopping))):
@@ -8741,7 +8809,7 @@ def one_line(text):
 
 
 # ============================================================================
-# CLI: verbs
+# CLI: the command context
 # ============================================================================
 
 class Context:
@@ -8921,6 +8989,10 @@ def call_hub(hub, method, path, body=None):
         raise PinboxError(error.get("code", "E_INTERNAL"), error.get("message", "the hub refused"), error.get("hint"))
     return envelope["data"]
 
+
+# ============================================================================
+# CLI: setting up
+# ============================================================================
 
 def parse_agents(raw):
     if raw is None:
@@ -9105,6 +9177,10 @@ def cmd_toolbar(ctx):
                  "which git would track here: add it to .gitignore first", ways["envLine"], ways["overview"]))
     ctx.out.result(dict(ways, envFileIgnored=ignored), facts)
 
+
+# ============================================================================
+# CLI: pins and threads
+# ============================================================================
 
 def cmd_pin(ctx):
     args = ctx.args
@@ -9367,6 +9443,10 @@ def cmd_export(ctx):
         write_out(plain(text) + "\n")
 
 
+# ============================================================================
+# CLI: the hub, sync and installing
+# ============================================================================
+
 def cmd_sync(ctx):
     args = ctx.args
     if args.off and args.status:
@@ -9497,6 +9577,10 @@ def cmd_serve(ctx):
             write_out(toolbar_help(other["port"], other["token"]))
     return 0
 
+
+# ============================================================================
+# CLI: agent sessions and inboxes
+# ============================================================================
 
 def cmd_session_register(ctx):
     agent, key, cwd = session_ref_args(ctx)

@@ -5,13 +5,17 @@ git repositories in temporary folders, on real SQLite files, against a real hub 
 
 Run: python3 test_pinbox.py   (the last line says "N passed, N failed, N skipped")
 
-After the fixtures every section has pinbox.py's banner, in pinbox.py's order: constants
-and errors → store → pins and threads → sessions → routing and the delivery ledger →
-adapters and the delivery worker → commit trailers → inbox → sync → hub: the request router →
-hub: the server shell → hub: the page proxy → hub: finding and starting hubs → MCP →
-hook I/O → installers → CLI: output → CLI: the parser → assets. Sections of pinbox.py with no test
-class of their own (CLI: verbs, entry points) are exercised through every other
-section's commands.
+The map: after the fixtures, each section of tests stands under the banner of the
+section of pinbox.py it tests, in pinbox.py's order (TestTheHouse holds this); then the
+house tests (how pinbox.py reads: its map, sections, writers, helpers), then the runner.
+These sections of pinbox.py have no tests of their own; every other section's commands
+run through them:
+- Helpers used everywhere: git, processes, files, JSON
+- CLI: the command context
+- CLI: setting up
+- CLI: the hub, sync and installing
+- CLI: agent sessions and inboxes
+- CLI: doctor, its probes
 """
 
 import base64
@@ -2486,55 +2490,9 @@ class TestNotesVerdictsNudges(HookCase):
             store.close()
 
 
-class TestFloods(HookCase):
-    WAITING = campaign(5000, 20000)
-
-    def fill(self, waiting, resolved=0):
-        """`waiting` open pins no session has yet (after `resolved` resolved ones), written
-        by pinbox itself in one transaction."""
-        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
-        store.conn.execute("BEGIN IMMEDIATE")
-        store.write = lambda: pinbox._NoTransaction(store)
-        for i in range(resolved):
-            pinbox.resolve_pin(store, pinbox.create_pin(store, {"text": "old %d" % i})["id"], "human")
-        for i in range(waiting):
-            pinbox.create_pin(store, {"text": "waiting pin %d" % i, "target": {"url": "http://localhost:3000/p",
-                                                                            "selector": "#b%d" % i}})
-        store.conn.execute("COMMIT")
-        store.close()
-
-    def test_a_flood_of_waiting_pins_costs_a_hook_its_cap_and_never_locks_out_a_writer(self):
-        """Once the first prompt after N waiting pins took time growing with N squared while
-        it held the write lock: a `pinbox pin` beside it failed with "database is locked"."""
-        self.fill(self.WAITING, resolved=campaign(100, 50000))
-        pins, stop = [], threading.Event()
-
-        def writer():  # a person pinning from the terminal the whole time
-            while not stop.is_set():
-                pins.append(self.run_pinbox("pin", "written beside the hooks"))
-        thread = threading.Thread(target=writer)
-        thread.start()
-        try:
-            first = self.inject("k1")
-            second = self.inject("k1")
-            stopped = self.stop("k1")
-        finally:
-            stop.set()
-            thread.join()
-        self.assertTrue(pins)
-        self.assertEqual([p.err for p in pins if p.code != 0], [])
-        total = self.WAITING + len(pins)
-        for context in (first, second):
-            shown = int(re.match(r"Pinbox: (\d+) open pin\(s\)", context).group(1))
-            self.assertTrue(self.WAITING <= shown <= total, context[:80])  # every open pin counted
-            self.assertLessEqual(len(context), pinbox.CONTEXT_LIMIT)
-            self.assertRegex(context, r"… and \d+ more open pin\(s\) not listed here")
-        self.assertNotIn("waiting pin", stopped)  # Stop holds for what came mid-turn, never the flood
-        claimed = self.sql("SELECT COUNT(*) FROM deliveries WHERE session_id IS NOT NULL")[0][0]
-        self.assertLessEqual(claimed, 2 * pinbox.HOOK_CAP + len(pins))  # each hook its cap; the rest wait
-        self.assertGreater(self.sql("SELECT COUNT(*) FROM deliveries WHERE session_id IS NULL AND status = 'pending'")[0][0],
-                           self.WAITING - 3 * pinbox.HOOK_CAP)
-
+# ============================================================================
+# Hook collection: what a prompt and a Stop take
+# ============================================================================
 
 class TestArrivals(PinboxCase):
     def test_a_session_collects_at_most_its_cap_a_pull_and_each_pin_once(self):
@@ -2687,6 +2645,60 @@ class TestInjectAndStop(HookCase):
                          % (150 - listed))
         self.assertGreater(listed, 50)
 
+
+class TestFloods(HookCase):
+    WAITING = campaign(5000, 20000)
+
+    def fill(self, waiting, resolved=0):
+        """`waiting` open pins no session has yet (after `resolved` resolved ones), written
+        by pinbox itself in one transaction."""
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        store.conn.execute("BEGIN IMMEDIATE")
+        store.write = lambda: pinbox._NoTransaction(store)
+        for i in range(resolved):
+            pinbox.resolve_pin(store, pinbox.create_pin(store, {"text": "old %d" % i})["id"], "human")
+        for i in range(waiting):
+            pinbox.create_pin(store, {"text": "waiting pin %d" % i, "target": {"url": "http://localhost:3000/p",
+                                                                            "selector": "#b%d" % i}})
+        store.conn.execute("COMMIT")
+        store.close()
+
+    def test_a_flood_of_waiting_pins_costs_a_hook_its_cap_and_never_locks_out_a_writer(self):
+        """Once the first prompt after N waiting pins took time growing with N squared while
+        it held the write lock: a `pinbox pin` beside it failed with "database is locked"."""
+        self.fill(self.WAITING, resolved=campaign(100, 50000))
+        pins, stop = [], threading.Event()
+
+        def writer():  # a person pinning from the terminal the whole time
+            while not stop.is_set():
+                pins.append(self.run_pinbox("pin", "written beside the hooks"))
+        thread = threading.Thread(target=writer)
+        thread.start()
+        try:
+            first = self.inject("k1")
+            second = self.inject("k1")
+            stopped = self.stop("k1")
+        finally:
+            stop.set()
+            thread.join()
+        self.assertTrue(pins)
+        self.assertEqual([p.err for p in pins if p.code != 0], [])
+        total = self.WAITING + len(pins)
+        for context in (first, second):
+            shown = int(re.match(r"Pinbox: (\d+) open pin\(s\)", context).group(1))
+            self.assertTrue(self.WAITING <= shown <= total, context[:80])  # every open pin counted
+            self.assertLessEqual(len(context), pinbox.CONTEXT_LIMIT)
+            self.assertRegex(context, r"… and \d+ more open pin\(s\) not listed here")
+        self.assertNotIn("waiting pin", stopped)  # Stop holds for what came mid-turn, never the flood
+        claimed = self.sql("SELECT COUNT(*) FROM deliveries WHERE session_id IS NOT NULL")[0][0]
+        self.assertLessEqual(claimed, 2 * pinbox.HOOK_CAP + len(pins))  # each hook its cap; the rest wait
+        self.assertGreater(self.sql("SELECT COUNT(*) FROM deliveries WHERE session_id IS NULL AND status = 'pending'")[0][0],
+                           self.WAITING - 3 * pinbox.HOOK_CAP)
+
+
+# ============================================================================
+# What an agent is shown: the context a hook prints
+# ============================================================================
 
 class TestContextBudget(unittest.TestCase):
     def test_notes_and_messages_count_against_the_limit(self):
@@ -11621,11 +11633,6 @@ class TestInitAgents(PinboxCase):
         self.assertEqual(self.read(config), "hooks:\n  pre_tool_call:\n    - command: audit.sh\n")
 
 
-# ============================================================================
-# CLI: output
-# ============================================================================
-
-
     def test_the_agents_without_hooks_get_pinbox_as_an_mcp_server(self):
         home = self.env["HOME"]
         for path, text in ((".cursor/mcp.json", '{\n    "mcpServers": {"mine": {"command": "mine-server"}}\n}\n'),
@@ -11698,6 +11705,11 @@ class TestInitAgents(PinboxCase):
         self.assertEqual(broken.code, 1)
         with open(os.path.join(self.repo, ".vscode", "mcp.json")) as handle:
             self.assertEqual(handle.read(), "{ not json")
+
+
+# ============================================================================
+# CLI: output
+# ============================================================================
 
 def readme_blocks(text):
     """Each fenced block of README that starts with `$ `: [(command, [expected lines])]."""
@@ -11793,6 +11805,10 @@ class TestTheOriginalsOwnLoop(unittest.TestCase):
         self.assertIn("(pass) full loop over the shipped binary", said)
         self.assertRegex(said, r"\b1 pass\b")
 
+
+# ============================================================================
+# CLI: pins and threads
+# ============================================================================
 
 class TestHumanOutput(PinboxCase):
     def test_escape_sequences_in_pin_text_are_shown_not_run(self):
@@ -12470,135 +12486,6 @@ def importlib_cache(path):
 # ============================================================================
 # Assets: the page toolbar, the overview page, the demo page
 # ============================================================================
-
-class TestTheHouse(unittest.TestCase):
-    """pinbox.py reads top to bottom: a section uses only names defined in it or above it,
-    every section, the entry points and the assets included."""
-
-    ASSETS = "Assets: the page toolbar, the overview page, the demo page"
-    # The few that reach forward by design, each with its reason:
-    KNOWN = {
-        # the store's migration fills in the ledger's pin column (the ledger's own rule, kept with it);
-        ("Store: files, schema, migrations", "backfill_delivery_pins"),
-        # the ledger hands each event it records to routing, which needs the pins and
-        # sessions defined after the ledger;
-        ("Events and the delivery ledger", "route_event"),
-        # the hub serves the pages and scripts kept at the back of the file, as bottle
-        # keeps its templates: long strings that would stand between every section.
-        ("Hub: the request router", "TOOLBAR_JS"), ("Hub: the request router", "EARLY_JS"),
-        ("Hub: the request router", "PAGE_HTML"), ("Hub: the request router", "DEMO_HTML"),
-        ("Hub: the page proxy", "DOWN_PAGE")}
-
-    @staticmethod
-    def forward_references(source):
-        """{(section, name)}: a name a section uses before the section that defines it
-        (a function's own locals and arguments aside)."""
-        import ast
-        banners = file_banners(source)
-        section = lambda line: max([n for n, (at, _) in enumerate(banners) if line > at] or [0])
-        tree = ast.parse(source)
-        defined = {}
-        for node in tree.body:
-            names = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
-                target.id for target in getattr(node, "targets", ()) if isinstance(target, ast.Name)]
-            for name in names:
-                defined.setdefault(name, section(node.lineno))
-        found = set()
-        for node in tree.body:
-            here = section(node.lineno)
-            own = {sub.id for sub in ast.walk(node) if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store)}
-            own.update(arg.arg for sub in ast.walk(node) if isinstance(sub, ast.arguments)
-                       for arg in sub.args + sub.kwonlyargs + [sub.vararg, sub.kwarg] if arg)
-            own.update(sub.name for sub in ast.walk(node) if isinstance(sub, ast.FunctionDef) and sub is not node)
-            for sub in ast.walk(node):
-                if isinstance(sub, ast.Name) and sub.id not in own and defined.get(sub.id, -1) > here:
-                    found.add((banners[here][1], sub.id))
-        return found
-
-    # Each table and the one section that writes it (the migrations aside).
-    ROUTING = "Routing: which session hears of each event, and how"
-    SYNC = "Sync: the record in the repository's own git refs"
-    WRITERS = {"events": "Events and the delivery ledger", "deliveries": "Events and the delivery ledger",
-               "pins": "Pins and threads", "thread_messages": "Pins and threads",
-               "pins_fts": "Store: files, schema, migrations", "sessions": "Sessions", "bindings": ROUTING,
-               "prompt_context": ROUTING, "inbox": "Inbox",
-               "asks": "Questions: an agent asks the person to point at something", "sync_settings": SYNC,
-               "sync_events": SYNC, "sync_imports": SYNC, "sync_rejects": SYNC}
-
-    def test_each_table_has_one_writer_section(self):
-        with open(SCRIPT, encoding="utf-8") as handle:
-            source = handle.read()
-        found = sql_writers(source)
-        tables = {table for _, table in found}
-        self.assertEqual(tables - set(self.WRITERS), set())  # (a table named through %s among them)
-        for table, owner in self.WRITERS.items():
-            with self.subTest(table=table):
-                self.assertEqual({section for section, t in found if t == table}, {owner})
-        # The scan sees a writer in the wrong section, in any case and spacing, and a
-        # table named through %.
-        for stray in ('    conn.execute("insert  or replace\\n into sessions(id) VALUES (1)")\n',
-                      '    conn.execute("DELETE FROM %s" % "sessions")\n'):
-            planted = source.replace("def moved_elsewhere(conn, pin, before):\n",
-                                     "def moved_elsewhere(conn, pin, before):\n" + stray, 1)
-            self.assertEqual(sql_writers(planted) - found, {(self.SYNC, "sessions" if "insert" in stray else "%s")})
-
-    def test_a_private_helper_is_called_only_in_its_own_section(self):
-        with open(SCRIPT, encoding="utf-8") as handle:
-            source = handle.read()
-        self.assertEqual(self.private_strays(source), set())
-        planted = source.replace("def moved_elsewhere(conn, pin, before):\n",
-                                 "def moved_elsewhere(conn, pin, before):\n    _session(None)\n", 1)
-        self.assertEqual(self.private_strays(planted), {("_session", self.SYNC)})
-
-    @staticmethod
-    def private_strays(source):
-        """{(name, section)}: a `_name` of one section used in another."""
-        import ast
-        banners = file_banners(source)
-        section = lambda line: ([title for at, title in banners if at < line] or ["(the file's head)"])[-1]
-        tree = ast.parse(source)
-        home = {}
-        for node in tree.body:
-            names = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
-                target.id for target in getattr(node, "targets", ()) if isinstance(target, ast.Name)]
-            home.update((name, section(node.lineno)) for name in names if name.startswith("_") and name[1] != "_")
-        return {(sub.id, section(node.lineno)) for node in tree.body for sub in ast.walk(node)
-                if isinstance(sub, ast.Name) and sub.id in home and home[sub.id] != section(node.lineno)}
-
-    def test_the_tests_stand_under_the_banners_of_what_they_test_in_its_order(self):
-        def banners(path):
-            with open(path, encoding="utf-8") as handle:
-                lines = handle.read().split("\n")
-            return [lines[i + 1][2:].strip() for i in range(len(lines) - 2)
-                    if lines[i].startswith("# =====") and lines[i + 2].startswith("# =====")]
-        product = banners(SCRIPT)
-        tests = [title for title in banners(__file__) if not title.startswith(("Fixtures", "Runner"))]
-        self.assertEqual([title for title in tests if title not in product], [])
-        self.assertEqual(tests, [title for title in product if title in tests])  # (the same order)
-
-    def test_no_name_is_defined_twice(self):
-        """A second definition silently replaces the first for every caller (a ledger verb
-        named like a hub helper once broke every push)."""
-        import ast
-        import collections
-        with open(SCRIPT, encoding="utf-8") as handle:
-            tree = ast.parse(handle.read())
-        names = collections.Counter(node.name for node in tree.body if isinstance(node, (ast.FunctionDef,
-                                                                                          ast.ClassDef)))
-        self.assertEqual([name for name, count in names.items() if count > 1], [])
-
-    def test_no_section_reaches_forward_but_the_known_few(self):
-        with open(SCRIPT, encoding="utf-8") as handle:
-            source = handle.read()
-        self.assertEqual(self.forward_references(source) - self.KNOWN, set())
-        # And the walk sees one: a helper moved into the entry points, or into the
-        # assets, is caught.
-        for banner in ("Entry points", "Assets"):
-            at = "# ============================================================================\n# " + banner
-            moved = source.replace("def write_err(text):", "def write_err_moved(text):", 1).replace(
-                at, "def write_err(text):\n    pass\n\n\n" + at, 1)
-            self.assertIn((self.SYNC, "write_err"), self.forward_references(moved) - self.KNOWN, banner)
-
 
 class TestAssets(unittest.TestCase):
     def test_the_assets_banner_lists_the_toolbars_regions_in_order(self):
@@ -13859,6 +13746,163 @@ class TestToolbarInChromium(HubCase):
         self.assertEqual(self.ok("show", other["id"])["pin"]["verification"]["outcome"], "reopened")
         self.assertEqual([(m["role"], m["text"]) for m in self.reply_from_page(other["id"], "Still too big on mobile")],
                          [("human", "Still too big on mobile")])
+
+
+# ============================================================================
+# The house: how pinbox.py reads (its map, sections, writers and helpers)
+# ============================================================================
+
+class TestTheHouse(unittest.TestCase):
+    """pinbox.py reads top to bottom: a section uses only names defined in it or above it,
+    every section, the entry points and the assets included."""
+
+    ASSETS = "Assets: the page toolbar, the overview page, the demo page"
+    # The few that reach forward by design, each with its reason:
+    KNOWN = {
+        # the store's migration fills in the ledger's pin column (the ledger's own rule, kept with it);
+        ("Store: files, schema, migrations", "backfill_delivery_pins"),
+        # the ledger hands each event it records to routing, which needs the pins and
+        # sessions defined after the ledger;
+        ("Events and the delivery ledger", "route_event"),
+        # the hub serves the pages and scripts kept at the back of the file, as bottle
+        # keeps its templates: long strings that would stand between every section.
+        ("Hub: the request router", "TOOLBAR_JS"), ("Hub: the request router", "EARLY_JS"),
+        ("Hub: the request router", "PAGE_HTML"), ("Hub: the request router", "DEMO_HTML"),
+        ("Hub: the page proxy", "DOWN_PAGE")}
+
+    @staticmethod
+    def forward_references(source):
+        """{(section, name)}: a name a section uses before the section that defines it
+        (a function's own locals and arguments aside)."""
+        import ast
+        banners = file_banners(source)
+        section = lambda line: max([n for n, (at, _) in enumerate(banners) if line > at] or [0])
+        tree = ast.parse(source)
+        defined = {}
+        for node in tree.body:
+            names = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
+                target.id for target in getattr(node, "targets", ()) if isinstance(target, ast.Name)]
+            for name in names:
+                defined.setdefault(name, section(node.lineno))
+        found = set()
+        for node in tree.body:
+            here = section(node.lineno)
+            own = {sub.id for sub in ast.walk(node) if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store)}
+            own.update(arg.arg for sub in ast.walk(node) if isinstance(sub, ast.arguments)
+                       for arg in sub.args + sub.kwonlyargs + [sub.vararg, sub.kwarg] if arg)
+            own.update(sub.name for sub in ast.walk(node) if isinstance(sub, ast.FunctionDef) and sub is not node)
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Name) and sub.id not in own and defined.get(sub.id, -1) > here:
+                    found.add((banners[here][1], sub.id))
+        return found
+
+    # Each table and the one section that writes it (the migrations aside).
+    ROUTING = "Routing: which session hears of each event, and how"
+    SYNC = "Sync: the record in the repository's own git refs"
+    WRITERS = {"events": "Events and the delivery ledger", "deliveries": "Events and the delivery ledger",
+               "pins": "Pins and threads", "thread_messages": "Pins and threads",
+               "pins_fts": "Store: files, schema, migrations", "sessions": "Sessions", "bindings": ROUTING,
+               "prompt_context": "What an agent is shown: the context a hook prints", "inbox": "Inbox",
+               "asks": "Questions: an agent asks the person to point at something", "sync_settings": SYNC,
+               "sync_events": SYNC, "sync_imports": SYNC, "sync_rejects": SYNC}
+
+    def test_each_table_has_one_writer_section(self):
+        with open(SCRIPT, encoding="utf-8") as handle:
+            source = handle.read()
+        found = sql_writers(source)
+        tables = {table for _, table in found}
+        self.assertEqual(tables - set(self.WRITERS), set())  # (a table named through %s among them)
+        for table, owner in self.WRITERS.items():
+            with self.subTest(table=table):
+                self.assertEqual({section for section, t in found if t == table}, {owner})
+        # The scan sees a writer in the wrong section, in any case and spacing, and a
+        # table named through %.
+        for stray in ('    conn.execute("insert  or replace\\n into sessions(id) VALUES (1)")\n',
+                      '    conn.execute("DELETE FROM %s" % "sessions")\n'):
+            planted = source.replace("def moved_elsewhere(conn, pin, before):\n",
+                                     "def moved_elsewhere(conn, pin, before):\n" + stray, 1)
+            self.assertEqual(sql_writers(planted) - found, {(self.SYNC, "sessions" if "insert" in stray else "%s")})
+
+    def test_a_private_helper_is_called_only_in_its_own_section(self):
+        with open(SCRIPT, encoding="utf-8") as handle:
+            source = handle.read()
+        self.assertEqual(self.private_strays(source), set())
+        planted = source.replace("def moved_elsewhere(conn, pin, before):\n",
+                                 "def moved_elsewhere(conn, pin, before):\n    _session(None)\n", 1)
+        self.assertEqual(self.private_strays(planted), {("_session", self.SYNC)})
+
+    @staticmethod
+    def private_strays(source):
+        """{(name, section)}: a `_name` of one section used in another."""
+        import ast
+        banners = file_banners(source)
+        section = lambda line: ([title for at, title in banners if at < line] or ["(the file's head)"])[-1]
+        tree = ast.parse(source)
+        home = {}
+        for node in tree.body:
+            names = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
+                target.id for target in getattr(node, "targets", ()) if isinstance(target, ast.Name)]
+            home.update((name, section(node.lineno)) for name in names if name.startswith("_") and name[1] != "_")
+        return {(sub.id, section(node.lineno)) for node in tree.body for sub in ast.walk(node)
+                if isinstance(sub, ast.Name) and sub.id in home and home[sub.id] != section(node.lineno)}
+
+    def test_the_tests_stand_under_the_banners_of_what_they_test_in_its_order(self):
+        def banners(path):
+            with open(path, encoding="utf-8") as handle:
+                lines = handle.read().split("\n")
+            return [lines[i + 1][2:].strip() for i in range(len(lines) - 2)
+                    if lines[i].startswith("# =====") and lines[i + 2].startswith("# =====")]
+        product = banners(SCRIPT)
+        tests = [title for title in banners(__file__) if not title.startswith(("Fixtures", "Runner", "The house"))]
+        self.assertEqual([title for title in tests if title not in product], [])
+        self.assertEqual(tests, [title for title in product if title in tests])  # (the same order)
+        # The file's own map names the sections left without tests, and only those.
+        untested = [line[2:] for line in __doc__.split("run through them:\n", 1)[1].splitlines() if line.startswith("- ")]
+        self.assertEqual(untested, [title for title in product if title not in tests])
+        # Each test class stands under exactly one banner: none falls inside a class.
+        import ast
+        with open(__file__, encoding="utf-8") as handle:
+            source = handle.read()
+        classes = [(node.lineno, node.end_lineno) for node in ast.parse(source).body if isinstance(node, ast.ClassDef)]
+        self.assertEqual([at for at, _ in file_banners(source) if any(a < at <= b for a, b in classes)], [])
+
+    def test_the_map_at_the_top_names_every_banner_in_order(self):
+        with open(SCRIPT, encoding="utf-8") as handle:
+            source = handle.read()
+        self.assertEqual(self.map_titles(source), [title for _, title in file_banners(source)])
+        # A banner the map leaves out is caught.
+        BAR = "# " + "=" * 76 + "\n"
+        planted = source.replace(BAR + "# Inbox\n", BAR + "# Outbox\n" + BAR + "\n" + BAR + "# Inbox\n", 1)
+        self.assertNotEqual(self.map_titles(planted), [title for _, title in file_banners(planted)])
+
+    @staticmethod
+    def map_titles(source):
+        """The sections the map at the top of pinbox.py names, in its order."""
+        head = source.split("# The map of this file", 1)[1].split("# Layering", 1)[0]
+        return [line[4:].split(" — ")[0] for line in head.splitlines() if line.startswith("#   ")]
+
+    def test_no_name_is_defined_twice(self):
+        """A second definition silently replaces the first for every caller (a ledger verb
+        named like a hub helper once broke every push)."""
+        import ast
+        import collections
+        with open(SCRIPT, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read())
+        names = collections.Counter(node.name for node in tree.body if isinstance(node, (ast.FunctionDef,
+                                                                                          ast.ClassDef)))
+        self.assertEqual([name for name, count in names.items() if count > 1], [])
+
+    def test_no_section_reaches_forward_but_the_known_few(self):
+        with open(SCRIPT, encoding="utf-8") as handle:
+            source = handle.read()
+        self.assertEqual(self.forward_references(source) - self.KNOWN, set())
+        # And the walk sees one: a helper moved into the entry points, or into the
+        # assets, is caught.
+        for banner in ("Entry points", "Assets"):
+            at = "# ============================================================================\n# " + banner
+            moved = source.replace("def write_err(text):", "def write_err_moved(text):", 1).replace(
+                at, "def write_err(text):\n    pass\n\n\n" + at, 1)
+            self.assertIn((self.SYNC, "write_err"), self.forward_references(moved) - self.KNOWN, banner)
 
 
 # ============================================================================
