@@ -124,6 +124,9 @@ def _load_sqlite():
 sqlite3 = _load_sqlite()
 
 VERSION = "0.2.0"
+# The import API README documents: run(argv) is a command line, main() the command itself;
+# every other name here may change between versions.
+__all__ = ("run", "main", "VERSION")
 
 # ============================================================================
 # Constants and errors

@@ -13881,6 +13881,24 @@ class TestTheHouse(unittest.TestCase):
         head = source.split("# The map of this file", 1)[1].split("# Layering", 1)[0]
         return [line[4:].split(" — ")[0] for line in head.splitlines() if line.startswith("#   ")]
 
+    def test_no_section_but_sync_and_the_assets_is_over_800_lines(self):
+        with open(SCRIPT, encoding="utf-8") as handle:
+            source = handle.read()
+        starts = file_banners(source) + [(source.count("\n") + 1, None)]
+        sizes = {title: end - at for (at, title), (end, _) in zip(starts, starts[1:])}
+        self.assertEqual({title: size for title, size in sizes.items() if size > 800 and not title.startswith(
+            ("Sync:", "Assets:"))}, {})
+
+    def test_the_import_api_is_what_readme_documents(self):
+        self.assertEqual(set(pinbox.__all__), {"run", "main", "VERSION"})
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
+            readme = handle.read()
+        self.assertIn("import pinbox", readme)
+        self.assertIn("pinbox.run(", readme)
+        space = {}
+        exec("from pinbox import *", space)
+        self.assertEqual(sorted(k for k in space if k != "__builtins__"), ["VERSION", "main", "run"])
+
     def test_no_name_is_defined_twice(self):
         """A second definition silently replaces the first for every caller (a ledger verb
         named like a hub helper once broke every push)."""
