@@ -3229,7 +3229,8 @@ class TestTrailerGrammar(unittest.TestCase):
             "Resolves: pin %s" % A: [A], "closes pin %s" % A: [A], "closes: %s" % A: [A], "ReSoLvEs: %s" % A: [A],
             "Fix the save button\n\nThe hit area was 8px short.\n\nResolves: %s\nSigned-off-by: x" % A: [A],
             "fix: cta — Resolves: %s" % A: [A],
-            "Fixes: %s, %s" % (A, B): [A, B], "Fixes %s and %s" % (A, B): [A, B],
+            "Fixes: %s, %s" % (A, B): [A, B], "Fixes %s and %s" % (A, B): [A, B], "Fixes %s & %s" % (A, B): [A, B],
+            "Fixes %s&%s" % (A, B): [A, B], "Fixes %s,%s" % (A, B): [A, B], "Fixes %s andy %s" % (A, B): [A],
             "Fixes %s, closes pin %s" % (B, A): [B, A], "Fixes %s … Resolves: %s" % (A, A): [A],
             "Resolves: %s\nFixes %s\ncloses %s" % (A, B, A): [A, B],
             "- Fixes %s\n* Closes %s" % (A, B): [A, B], "Fixes: PIN_AAAAAAAAAA": [A],
@@ -8032,6 +8033,19 @@ class TestHubWireFuzz(HubCase):
             self.assertEqual(wire_statuses(got)[:1], [400], headers)
         self.assertEqual([p["text"] for p in self.api("GET", "/pins")], ["at the limit"])
 
+    def test_any_transfer_encoding_at_the_hub_is_refused_whatever_its_case_or_company(self):
+        """The hub reads only a Content-Length body: `chunked`, `Chunked`, `gzip, chunked`,
+        `identity` and two headers are each a 411, and nothing is stored."""
+        auth = ("Authorization", "Bearer %s" % self.token)
+        host = ("Host", "127.0.0.1:%d" % self.port)
+        body = json.dumps({"text": "framed", "author": {"userId": "u"}}).encode()
+        chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        for codings in (["chunked"], ["Chunked"], ["gzip, chunked"], ["identity"], ["gzip", "chunked"]):
+            got = wire_exchange(self.port, wire_request("POST", "/pins", [host, auth, ("Content-Type", "application/json")]
+                                                        + [("Transfer-Encoding", c) for c in codings], chunked))[0]
+            self.assertEqual(wire_statuses(got)[:1], [411], codings)
+        self.assertEqual(self.api("GET", "/pins"), [])
+
     def test_a_connection_past_its_head_deadline_is_cut_and_none_before(self):
         import types
         late, late_peer = socket.socketpair()
@@ -9597,6 +9611,24 @@ class TestPageProxyInChromium(BrowserCase):
 # ============================================================================
 # Hub: its state
 # ============================================================================
+
+class TestAppAddresses(unittest.TestCase):
+    def test_a_proxy_address_becomes_the_apps_with_its_path_query_and_hash_route(self):
+        import types
+        root = tempfile.mkdtemp(prefix="pinbox-addresses-")
+        self.addCleanup(shutil.rmtree, root, True)
+        pinbox.write_file(os.path.join(root, ".pinbox", "proxies.json"), json.dumps({"http://localhost:3000": 41234}))
+        hub = types.SimpleNamespace(root=root)
+        hub.app_origin = types.MethodType(pinbox.Hub.app_origin, hub)
+        with unittest.mock.patch.dict(os.environ):  # (the store's folder: the root's own)
+            os.environ.pop("PINBOX_DIR", None)
+            for seen, kept in (("http://127.0.0.1:41234#/cart", "http://localhost:3000/#/cart"),
+                               ("http://localhost:41234/shop?q=1#!/help", "http://localhost:3000/shop?q=1#!/help"),
+                               ("http://127.0.0.1:41234?x=1", "http://localhost:3000/?x=1"),
+                               ("http://127.0.0.1:41234", "http://localhost:3000/"),
+                               ("http://127.0.0.1:5999/#/cart", "http://127.0.0.1:5999/#/cart")):  # not a proxy
+                self.assertEqual(pinbox.Hub.app_address(hub, seen), kept, seen)
+
 
 class TestHubState(HubCase):
     def test_a_store_deleted_or_replaced_under_the_hub_is_followed(self):
