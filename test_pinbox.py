@@ -10,7 +10,6 @@ section of pinbox.py it tests, in pinbox.py's order (TestTheHouse holds this); t
 house tests (how pinbox.py reads: its map, sections, writers, helpers), then the runner.
 These sections of pinbox.py have no tests of their own; every other section's commands
 run through them:
-- Helpers used everywhere: git, processes, files, JSON
 - CLI: the command context
 - CLI: setting up
 - CLI: the hub, sync and installing
@@ -1227,6 +1226,36 @@ class TestIdsAndTimes(unittest.TestCase):
             os.environ["PINBOX_TEST_SETTING"] = raw
             self.assertEqual(pinbox.env_number("PINBOX_TEST_SETTING", 600000), expected)
         del os.environ["PINBOX_TEST_SETTING"]
+
+
+# ============================================================================
+# Helpers used everywhere: git, processes, files, JSON
+# ============================================================================
+
+class TestWritingFiles(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="pinbox-files-")
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+
+    def test_a_private_file_makes_its_folder_private_even_one_that_was_open(self):
+        folder = os.path.join(self.tmp, "state")
+        os.makedirs(folder, mode=0o755)
+        os.chmod(folder, 0o755)
+        pinbox.write_file(os.path.join(folder, "token"), "secret\n", private=True)
+        self.assertEqual(os.stat(folder).st_mode & 0o777, 0o700)
+        self.assertEqual(os.stat(os.path.join(folder, "token")).st_mode & 0o777, 0o600)
+
+    def test_a_file_keeps_its_mode_and_a_link_is_replaced_not_written_through(self):
+        path, elsewhere = os.path.join(self.tmp, "hook"), os.path.join(self.tmp, "elsewhere")
+        pinbox.write_file(path, "one\n", mode=0o755)
+        pinbox.write_file(path, "two\n")
+        self.assertEqual((os.stat(path).st_mode & 0o777, open(path).read()), (0o755, "two\n"))
+        with open(elsewhere, "w") as handle:
+            handle.write("theirs\n")
+        os.unlink(path)
+        os.symlink(elsewhere, path)
+        pinbox.write_file(path, "ours\n")
+        self.assertEqual((os.path.islink(path), open(elsewhere).read(), open(path).read()), (False, "theirs\n", "ours\n"))
 
 
 # ============================================================================
@@ -4181,6 +4210,16 @@ class TestEvidenceParts(unittest.TestCase):
                           .original(1, 1))
         self.assertIsNone(pinbox.SourceMap(b'{"version": 3, "sources": ["a"], "mappings": "AA9A"}', "http://a/")
                           .original(1, 1))
+
+    def test_segments_that_name_a_symbol_count_in_the_rows_before_the_one_asked(self):
+        """A segment of five numbers (the fifth names a symbol) moves source, line and
+        column as one of four does: rows before the one asked are summed with them."""
+        rows = ";".join([vlq([0, 0, 3, 4, 0]) + "," + vlq([6, 0, 2, 1, 1]),  # row 0: lines 3 and 5, named
+                         vlq([2, 0, 1, -5])])                                    # row 1: line 6, column 0
+        smap = pinbox.SourceMap(json.dumps({"version": 3, "sources": ["a.js"], "names": ["x", "y"],
+                                            "mappings": rows}), "http://app/")
+        self.assertEqual(smap.original(2, 3), ("http://app/a.js", 7, 1))  # asked first: row 0 only summed
+        self.assertEqual(smap.original(1, 7), ("http://app/a.js", 6, 6))
 
     def test_an_index_map_maps_each_section_from_its_offset(self):
         """Turbopack serves a chunk of several modules with an index map: `sections`, each
@@ -8917,6 +8956,16 @@ class TestProxyParts(unittest.TestCase):
             with self.subTest(bad=bad), self.assertRaises(pinbox.PinboxError) as caught:
                 pinbox.parse_upstream(bad)
             self.assertEqual(caught.exception.code, "E_INVALID_INPUT")
+
+    def test_the_tag_goes_before_the_last_body_end_outside_scripts_and_comments(self):
+        tag = pinbox.toolbar_tag(self.HUB, "t").encode()
+        for page, before in ((b"<body><p>a</p></body><p>b</p></body>", b"<p>a</p></body><p>b</p>"),
+                             (b"<body>x</body><script>'</body>'</script><!-- </body> -->", b"x"),
+                             (b"<head></head><p>no body end</p>", b"</script>"),  # (after the early hook)
+                             (b"<p>nothing</p>", b"<p>nothing</p>")):
+            done = pinbox.inject_toolbar(page, self.HUB, "t")
+            self.assertEqual(done.count(tag), 1, page)
+            self.assertTrue(done[:done.index(tag)].endswith(before), (page, done))
 
     def test_a_policy_allows_the_hub_and_nothing_more(self):
         amend = pinbox.amend_csp
