@@ -1895,12 +1895,18 @@ def record_after(store, handle, after):
     return ordered(pin, PIN_KEYS)
 
 
+def stale_after_s():
+    """How long a delivered pin waits for an agent's word before the page offers a nudge
+    (PINBOX_STALE_MS, 10 minutes)."""
+    return env_number("PINBOX_STALE_MS", 600000) / 1000.0
+
+
 def nudge_pin(store, handle):
     """The person asks again about an open pin nobody answered: an event the ledger
     routes like new work (the session's next context, first; an ended one woken). Only
     a stale pin, once: PINBOX_STALE_MS since it was made, last nudged or last answered
     by an agent (a page asking again and again never resumes an agent again and again)."""
-    stale = env_number("PINBOX_STALE_MS", 600000) / 1000.0
+    stale = stale_after_s()
     with store.write() as conn:
         pin = find_pin(conn, handle, named=True)
         if pin.get("status") != "open" or pin.get("intent") == "note":
@@ -2391,7 +2397,7 @@ def pin_progress(conn, pins):
             state = {"state": "failed", "error": error, "at": at, "session": sid}
         elif status == "delivered":
             state = {"state": "delivered", "at": at, "adapter": adapter, "session": sid}
-            if (parse_iso(at) or now) < now - env_number("PINBOX_STALE_MS", 600000) / 1000.0:
+            if (parse_iso(at) or now) < now - stale_after_s():
                 state["stale"] = True  # no word from the agent since: the page offers a nudge
         else:
             state = {"state": "waiting", "session": sid}

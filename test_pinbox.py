@@ -2485,6 +2485,36 @@ class TestNotesVerdictsNudges(HookCase):
         self.assertTrue(context.startswith("Pinbox: %d open pin(s)." % (pinbox.HOOK_CAP + 1)), context[:80])
         self.assertIn("more open pin(s) not listed here", context)  # (the newest HOOK_CAP are listed)
 
+    def test_a_note_that_waited_for_a_session_is_claimed_to_be_read_never_to_escalate(self):
+        """A note made before any session: the first session claims it as something its
+        next prompt reads (no due time: it never wakes an agent), as a task gets the
+        escalation a pull row has."""
+        note = self.ok("pin", "We move to the new design system next month", "--kind", "note")
+        task = self.pin("The total is cut off")
+        self.register("k1")
+        rows = dict((pin_id, (adapter, status, due)) for pin_id, adapter, status, due in self.sql(
+            "SELECT pin_id, adapter, status, due_at FROM deliveries WHERE session_id IS NOT NULL"))
+        self.assertEqual(rows[note["id"]], ("hooks", "pending", None))
+        self.assertEqual(rows[task["id"]][:2], ("hooks", "pending"))
+        self.assertIsNotNone(rows[task["id"]][2])  # a task's pull row escalates (PINBOX_HOOKS_ESCALATE_MS)
+        first = self.inject("k1")
+        self.assertIn("new design system", first[first.index("Notes from the person"):])
+
+    def test_a_delivered_pin_is_stale_after_ten_minutes_of_silence_by_default(self):
+        self.register("k1")
+        pin = self.pin("Search box loses focus")
+        self.inject("k1")
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        self.addCleanup(store.close)
+        for silent, stale in ((599, False), (601, True)):
+            with store.write() as conn:
+                conn.execute("UPDATE deliveries SET delivered_at = ? WHERE pin_id = ?",
+                             (pinbox.iso_time(time.time() - silent), pin["id"]))
+            with unittest.mock.patch.dict(os.environ):
+                os.environ.pop("PINBOX_STALE_MS", None)
+                states, _ = pinbox.pin_progress(store.conn, [pin])
+            self.assertEqual((states[pin["id"]]["state"], states[pin["id"]].get("stale", False)), ("delivered", stale))
+
     def test_a_nudge_puts_the_pin_first_in_the_next_context_and_in_the_ledger(self):
         self.register("k1")
         older = self.pin("Search box loses focus")
