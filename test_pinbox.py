@@ -2329,6 +2329,9 @@ class TestRouting(HookCase):
         sessions = self.ok("session", "list")
         self.assertEqual([(s["agent"], s["key"]) for s in sessions], [("claude", "k1")])
         self.assertNotEqual(sessions[0]["id"], sid)
+        # Registered again as ended and with no folder: it is resumed only where its own
+        # hook registers it, and a new pin nobody has does not go to it.
+        self.assertEqual((sessions[0].get("endedAt") is not None, sessions[0].get("cwd")), (True, None))
         self.assertEqual(self.rows()[-1][1], sessions[0]["id"])
         self.assertIn("are you there?", self.inject("k1"))  # the session comes back and pulls it
 
@@ -5858,6 +5861,31 @@ def sync_event(device, clock, kind, data, at="2026-01-01T00:00:00.000Z"):
 
 
 class TestSyncParts(unittest.TestCase):
+    def test_the_newest_look_after_a_fix_stays_whichever_machine_took_it(self):
+        """A teammate's after picture older than the one taken here does not replace it;
+        a newer one does."""
+        folder = tempfile.mkdtemp(prefix="pinbox-refold-")
+        self.addCleanup(shutil.rmtree, folder, True)
+        store = pinbox.Store(folder)
+        self.addCleanup(store.close)
+        pin_id = pinbox.create_pin(store, {"text": "the total is cut off"})["id"]
+        mine = {"id": "att_minemine01", "kind": "after", "url": "/media/att_minemine01.png"}
+        theirs = {"id": "att_theirs0001", "kind": "after", "url": "/media/att_theirs0001.png"}
+        with store.write() as conn:
+            pin = pinbox.find_pin(conn, pin_id)
+            pinbox.save_pin(conn, dict(pin, after={"at": "2026-01-02T00:00:00.000Z", "found": True,
+                                                   "attachment": mine["id"]}, attachments=[mine]))
+        for clock, at, kept in ((1, "2026-01-01T00:00:00.000Z", mine["id"]), (2, "2026-01-03T00:00:00.000Z", theirs["id"])):
+            event = sync_event("dev_eveeveeve9", clock, "pin.after", {"id": pin_id, "after": {
+                "at": at, "found": True, "attachment": theirs["id"]}, "attachments": [theirs]})
+            with store.write() as conn:
+                conn.execute("INSERT INTO sync_events(id, device, clock, pin_id, type, seq, body, applied) "
+                             "VALUES (?, ?, ?, ?, ?, NULL, ?, 1)", (event["id"], event["device"], clock, pin_id,
+                                                                    event["type"], json.dumps(event)))
+                pinbox.refold_pin(conn, pin_id, "dev_minemine01", [], os.path.join(folder, "media"))
+                pin = pinbox.find_pin(conn, pin_id)
+            self.assertEqual((pin["after"]["attachment"], [a["id"] for a in pin["attachments"]]), (kept, [kept]), at)
+
     def test_a_line_is_read_only_within_its_limit(self):
         device = "dev_eveeveeve9"
         good = json.dumps(sync_event(device, 1, "pin.created", new_pin_data("pin_limitlimi1"))).encode()
