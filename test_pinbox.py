@@ -2912,6 +2912,27 @@ pinbox.run(["serve", "--project", repo])
 
 
 class TestQueueRules(DeliveryCase):
+    def test_a_hub_starting_on_a_backlog_claims_one_row_of_each_session_its_earliest(self):
+        """Rows already due when a hub starts (three for one ended session, two for
+        another): one claim round takes the earliest of each session, never two resumes
+        of one agent at once."""
+        self.fake_binary("claude", "pass")
+        self.ended_session(key="k-one")
+        self.ended_session(key="k-two")
+        first = self.bound_pin("one", key="k-one")
+        self.ok("reply", first["id"], "more for one")
+        self.ok("reply", first["id"], "still more for one")
+        second = self.bound_pin("two", key="k-two")
+        self.ok("reply", second["id"], "more for two")
+        rows = self.sql("SELECT d.id, s.key FROM deliveries d JOIN sessions s ON s.id = d.session_id "
+                        "WHERE d.status = 'pending' ORDER BY d.id")
+        self.assertEqual([key for _, key in rows], ["k-one"] * 3 + ["k-two"] * 2)
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        self.addCleanup(store.close)
+        with unittest.mock.patch.dict(os.environ, PATH=self.env["PATH"], PINBOX_RESUME_GAP_MS="1"):
+            claims = pinbox.claim_due(store, "hub-test", 32)
+        self.assertEqual(sorted(claim[0] for claim in claims), [rows[0][0], rows[3][0]])
+
     def test_one_session_gets_one_resume_at_a_time_in_the_order_written(self):
         log = self.fake_binary("claude", "open(%r, 'a').write('start %%f\\n' %% time.time()); time.sleep(0.4); "
                                "open(%r, 'a').write('end %%f\\n' %% time.time())"
@@ -8160,6 +8181,20 @@ class TestHubWireFuzz(HubCase):
         fresh_peer.setblocking(False)
         with self.assertRaises(BlockingIOError):  # still open, nothing sent
             fresh_peer.recv(10)
+
+    def test_when_slots_run_out_the_longest_reader_is_cut_first(self):
+        import types
+        pairs = [socket.socketpair() for _ in range(3)]
+        for pair in pairs:
+            for sock in pair:
+                self.addCleanup(sock.close)
+        now = time.monotonic()
+        (oldest, oldest_peer), (middle, _), (newest, _) = pairs
+        server = types.SimpleNamespace(reading={middle: now - 5, oldest: now - 9, newest: now - 1})
+        pinbox.HubServer.cut_readers(server, now, count=1)
+        self.assertEqual(set(server.reading), {middle, newest})
+        oldest_peer.settimeout(5)
+        self.assertEqual(oldest_peer.recv(10), b"")  # the one cut sees the end at once
 
     def test_five_hundred_and_twelve_trickling_connections_leave_room_for_everyone_else(self):
         """Each holds a connection open by sending a byte now and then, never a whole
