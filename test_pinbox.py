@@ -2829,8 +2829,7 @@ class TestWebhook(DeliveryCase):
         self.assertEqual([r["status"] for r in got], [500, 500, 200])
         self.assertTrue(all(r["valid"] for r in got))
         self.assertEqual(len({r["delivery"] for r in got}), 1)
-        gaps = [(b["at"] - a["at"]) / 1000.0 for a, b in zip(got, got[1:])]
-        self.assertGreater(gaps[1], gaps[0])  # the delays themselves: test_the_retry_delay_grows_fourfold…
+        # (How long each delay is: test_the_retry_delay_grows_fourfold…, without a clock.)
         body = json.loads(got[-1]["body"])
         self.assertEqual((body["event"]["type"], body["event"]["payload"]["id"]), ("pin.created", pin["id"]))
         self.assertEqual(body["session"], {"id": sid, "agent": "claude", "key": "k-ended"})
@@ -2842,7 +2841,6 @@ class TestWebhook(DeliveryCase):
         tampered = body.replace(b'"seq":1', b'"seq":2')
         urllib_post(self.env["PINBOX_WEBHOOK_URL"], tampered, headers)
         self.assertEqual(self.requests()[-1]["valid"], False)
-        print("\n  webhook retry gaps with PINBOX_RETRY_BASE_MS=100: %s s" % ", ".join("%.2f" % g for g in gaps))
 
     def test_a_receiver_that_always_fails_makes_the_row_terminal(self):
         self.receiver("always-500")
@@ -2898,15 +2896,35 @@ class TestWebhook(DeliveryCase):
 
 # Two hubs, one after the other, in one process (pinbox.run as a library): the first
 # idles out with nothing to do, the second pushes a pin to a webhook that is down.
+# Two hubs, one after the other, in one process: each is told to stop (SIGTERM, as
+# `pinbox stop` does) once what it is for has happened, never by a deadline.
 TWO_HUBS = r"""
-import os, sys
+import os, signal, sqlite3, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 import pinbox
 repo = sys.argv[2]
+
+def stop_once(happened):
+    def watch():
+        deadline = time.monotonic() + 30  # (a hang guard: the test then says what never came)
+        while not happened() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=watch, daemon=True).start()
+
+def attempted():
+    conn = sqlite3.connect(os.path.join(repo, ".pinbox", "pinbox.db"))
+    try:
+        return (conn.execute("SELECT MAX(attempts) FROM deliveries").fetchone()[0] or 0) >= 1
+    finally:
+        conn.close()
+
+stop_once(lambda: os.path.exists(os.path.join(repo, ".pinbox", "server.json")))
 pinbox.run(["serve", "--project", repo])
 store = pinbox.Store(os.path.join(repo, ".pinbox"))
 pinbox.create_pin(store, {"text": "pushed by the second hub", "agentSession": {"agent": "claude", "key": "k-ended"}})
 store.close()
+stop_once(attempted)
 pinbox.run(["serve", "--project", repo])
 """
 
@@ -3018,7 +3036,7 @@ class TestQueueRules(DeliveryCase):
 
     def test_a_second_hub_in_the_same_process_still_records_push_failures(self):
         self.ended_session()
-        env = dict(self.env, PINBOX_IDLE_MS="800", PINBOX_WEBHOOK_URL="http://127.0.0.1:%d/hook" % closed_port(),
+        env = dict(self.env, PINBOX_WEBHOOK_URL="http://127.0.0.1:%d/hook" % closed_port(),
                    PINBOX_WEBHOOK_SECRET="s")
         done = subprocess.run([sys.executable, "-S", "-c", TWO_HUBS, HERE, self.repo], env=env, cwd=self.repo,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
@@ -3214,13 +3232,16 @@ class TestResumeAndOpenClaw(DeliveryCase):
         eventually(lambda: any(other["id"] in r["body"] for r in self.requests()), 10,
                    "the other session's webhook at the receiver")
         self.assertEqual(self.request("GET", "/health", token=False)[0], 200)
-        self.assertEqual(self.sql("SELECT status, attempts FROM deliveries WHERE adapter = 'resume'"), [("pending", 0)])
-        self.assertTrue(pid_running(grandchild))
         rows = self.wait_rows(lambda rows: any(r[1] == "resume" and r[3] == 1 for r in rows), timeout=30)
         resumed = [r for r in rows if r[1] == "resume"][0]
         self.assertEqual(resumed[2], "pending")  # a timeout is retried
         self.assertIn("timed out after 8000 ms", resumed[4])
         self.wait_gone(grandchild, 5)  # killed with the claude that timed out
+        # The order, not a clock bound: the webhook reached its receiver before the hung
+        # resume was given up.
+        webhook_at = [r["at"] for r in self.requests() if other["id"] in r["body"]][0] / 1000.0
+        [(timed_out,)] = self.sql("SELECT updated_at FROM deliveries WHERE adapter = 'resume'")
+        self.assertLess(webhook_at, pinbox.parse_iso(timed_out))
 
     def test_a_hub_killed_while_an_agent_runs_never_lets_a_second_resume_overlap_it(self):
         """SIGKILL leaves the resumed agent running (its own process group); the next
@@ -3775,7 +3796,7 @@ class TestInboxOverHttp(HubCase):
         for thread in threads:
             thread.start()
         folder = os.path.join(self.repo, ".pinbox", "inbox-wait")
-        eventually(lambda: os.path.isdir(folder) and len(os.listdir(folder)) >= 200, 30, "200 readers parked")
+        eventually(lambda: os.path.isdir(folder) and len(os.listdir(folder)) >= 200, 90, "200 readers parked")
         self.assertEqual(len(os.listdir(folder)), 200)
         self.assertEqual(sum(s["inbox"]["parked"] for s in self.call("GET", "/agent-inbox/summary")["data"]), 200)
         for session in ids:
@@ -7582,7 +7603,7 @@ class TestHubApi(HubCase):
         written = [n for codes in written for n in codes.values()]
         print("\n  /health with 250 streams and 250 long-polls open and 4 writers (%d writes): median %.1f ms, "
               "max %.1f ms" % (sum(written), statistics.median(latencies) * 1000, max(latencies) * 1000))
-        self.assertLess(statistics.median(latencies), 0.1)
+        self.assertLess(max(latencies), 10)  # a hang guard: every one answered (bench/ times them)
         past = []
         for _ in range(pinbox.MAX_CONNECTIONS - 500 + 5):
             sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
