@@ -11970,6 +11970,53 @@ class TestReadme(unittest.TestCase):
                              command)
 
 
+class TestReadmeCoverage(unittest.TestCase):
+    """README is for people (at most 9,000 words) and loses no documented behaviour:
+    every verb, flag, environment variable and error code pinbox has is named in it."""
+
+    @staticmethod
+    def command_line():
+        """(verbs, flags) of pinbox's whole parser, `session …` and `agent …` included."""
+        import argparse
+        verbs, flags = [], set()
+
+        def walk(parser, prefix):
+            for action in parser._actions:
+                flags.update(option for option in action.option_strings)
+                if isinstance(action, argparse._SubParsersAction):
+                    for name, sub in action.choices.items():
+                        verbs.append((prefix + " " + name).strip())
+                        walk(sub, prefix + " " + name)
+        walk(pinbox.build_parser(), "")
+        return verbs, flags
+
+    @staticmethod
+    def settings():
+        """The environment variables pinbox.py reads (its PINBOX_* and the others)."""
+        with open(SCRIPT, encoding="utf-8") as handle:
+            source = handle.read()
+        names = set(re.findall(r'"(PINBOX_[A-Z0-9_]+)"', source))
+        names.update(re.findall(r'environ(?:\.get)?[\[(]"([A-Z][A-Z0-9_]+)"', source))
+        names.update(re.findall(r'getenv\("([A-Z][A-Z0-9_]+)"', source))
+        return names
+
+    def test_every_verb_flag_setting_and_error_code_is_named(self):
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
+            readme = handle.read()
+        verbs, flags = self.command_line()
+        named = lambda word: re.search(r"(?<![\w-])%s(?![\w-])" % re.escape(word), readme) is not None
+        self.assertGreater(len(verbs), 30)
+        missing = ["verb " + v for v in verbs if not named(v.split()[-1]) or not named(v)]
+        missing += ["flag " + f for f in sorted(flags) if not named(f)]
+        missing += ["setting " + n for n in sorted(self.settings()) if not named(n)]
+        missing += ["code " + c for c in pinbox.ERRORS if not named(c)]
+        self.assertEqual(missing, [])
+
+    def test_readme_is_at_most_nine_thousand_words(self):
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
+            self.assertLessEqual(len(handle.read().split()), 9000)
+
+
 class TestTheOriginalsOwnLoop(unittest.TestCase):
     """The original pinbox's own end-to-end test, "full loop over the shipped binary"
     (e2e/loop.test.ts of autonoco/pinbox, run by Bun), with this file as the binary it
