@@ -1759,6 +1759,21 @@ class TestLedger(unittest.TestCase):
 # ============================================================================
 
 class TestShapes(unittest.TestCase):
+    def test_every_word_a_pin_keeps_of_its_page_passes_the_detectors(self):
+        """The text, the page's title, and of each element pointed at (the first and
+        every other) its address, name, nearby, selected text and text runs."""
+        token = "ghp_" + "A1b2C3d4" * 4 + "E5f6"
+        said = "see " + token
+        target = {"url": "http://localhost:3000/x?api_key=s3cr3tvalue123", "name": said, "selector": "#a",
+                  "context": {"nearbyText": said, "selectedText": said, "textRuns": [said, "plain"]}}
+        kept = pinbox.hide_page_text({"text": said, "env": {"title": said},
+                                      "target": dict(target, targets=[dict(target, selector="#b"), "odd"])})
+        self.assertNotIn(token, json.dumps(kept))
+        self.assertNotIn("s3cr3tvalue123", json.dumps(kept))
+        self.assertEqual(kept["target"]["targets"][0]["context"]["selectedText"], "see [hidden: github token]")
+        self.assertEqual(kept["target"]["targets"][0]["url"], "http://localhost:3000/x?api_key=[hidden]")
+        self.assertEqual((kept["target"]["selector"], kept["target"]["targets"][1]), ("#a", "odd"))
+
     """The declarations everything from outside meets, in-process, at their edges."""
 
     def refused(self, value, spec, words):
@@ -2115,6 +2130,29 @@ class TestPins(PinboxCase):
 # ============================================================================
 
 class TestSessions(HookCase):
+    def test_the_latest_session_is_live_and_for_mcp_started_under_the_root_or_nowhere(self):
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        self.addCleanup(store.close)
+        with store.write() as conn:
+            stale = pinbox.upsert_session(conn, "claude", "k-stale", self.repo)[0]
+            conn.execute("UPDATE sessions SET last_seen_at = ? WHERE id = ?",
+                         (pinbox.iso_time(time.time() - pinbox.SESSION_STALE_S - 60), stale["id"]))
+            self.assertIsNone(pinbox.latest_session(conn))  # unseen for a day: ended, whoever asks
+            nowhere = pinbox.upsert_session(conn, "claude", "k-nowhere", None)[0]
+            self.assertEqual(pinbox.latest_session(conn, "claude", self.repo)["id"], nowhere["id"])
+            pinbox.upsert_session(conn, "claude", "k-elsewhere", os.path.join(self.tmp, "elsewhere"))
+            self.assertEqual(pinbox.latest_session(conn, "claude", self.repo)["id"], nowhere["id"])
+            under = pinbox.upsert_session(conn, "claude", "k-under", os.path.join(self.repo, "src"))[0]
+            self.assertEqual(pinbox.latest_session(conn, "claude", self.repo)["id"], under["id"])
+            self.assertIsNone(pinbox.latest_session(conn, "codex", self.repo))
+
+    def test_a_stop_hook_keeps_its_session_from_going_stale(self):
+        self.register("k1")
+        self.sql_write("UPDATE sessions SET last_seen_at = ?", pinbox.iso_time(time.time() - 3600))
+        self.stop("k1")
+        [(seen,)] = self.sql("SELECT last_seen_at FROM sessions")
+        self.assertGreater(pinbox.parse_iso(seen), time.time() - 600)
+
     def test_a_session_seen_now_is_stamped_after_every_other(self):
         """lastSeenAt never goes backwards, even when the clock does, so "seen last" is
         never a tie broken by row order."""
@@ -3334,7 +3372,7 @@ class TestTrailerGrammar(unittest.TestCase):
             "Fix the save button\n\nThe hit area was 8px short.\n\nResolves: %s\nSigned-off-by: x" % A: [A],
             "fix: cta — Resolves: %s" % A: [A],
             "Fixes: %s, %s" % (A, B): [A, B], "Fixes %s and %s" % (A, B): [A, B], "Fixes %s & %s" % (A, B): [A, B],
-            "Fixes %s&%s" % (A, B): [A, B], "Fixes %s,%s" % (A, B): [A, B], "Fixes %s andy %s" % (A, B): [A],
+            "Fixes %s&%s" % (A, B): [A, B], "Fixes %s,%s" % (A, B): [A, B], "Fixes %s andy %s" % (A, B): [A], "Fixes %s and%s" % (A, B): [A],
             "Fixes %s, closes pin %s" % (B, A): [B, A], "Fixes %s … Resolves: %s" % (A, A): [A],
             "Resolves: %s\nFixes %s\ncloses %s" % (A, B, A): [A, B],
             "- Fixes %s\n* Closes %s" % (A, B): [A, B], "Fixes: PIN_AAAAAAAAAA": [A],
@@ -6084,6 +6122,19 @@ class TestSync(SyncCase):
         git_commit(shop, "Fix the total\n\nFixes: %s" % pin["id"], env=env)  # the hook init installed
         self.assertEqual(json.loads(run_on_terminal(["pinbox", "show", pin["id"], "--json"], shop, env).out)[
             "data"]["pin"]["status"], "resolved")
+
+    def test_a_message_sent_from_here_takes_the_place_every_machine_gives_it(self):
+        """Staged for sync, a local message gets the sort key its event carries: the
+        thread's order here is the order every machine that imports it agrees on."""
+        a, b = self.machines()
+        pin = a.ok("pin", "the total is cut off")
+        message = a.ok("reply", pin["id"], "which total?")
+        self.assertEqual(a.sql("SELECT sort_key FROM thread_messages WHERE id = ?", message["id"]), [(None,)])
+        a.sync()
+        b.sync()
+        [(here,)] = a.sql("SELECT sort_key FROM thread_messages WHERE id = ?", message["id"])
+        self.assertIsNotNone(here)
+        self.assertEqual(b.sql("SELECT sort_key FROM thread_messages WHERE id = ?", message["id"]), [(here,)])
 
     def test_a_pin_another_machine_has_says_whose_it_is(self):
         """list, show, the agent's context and the page name the machine whose agent has
