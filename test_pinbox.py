@@ -1899,6 +1899,7 @@ class TestPins(PinboxCase):
                 "from": {"x": 0, "y": 0, "width": 1, "height": 1}, "to": {"x": 0, "y": 9, "width": 1, "height": 1}}})
         finally:
             store.close()
+        self.assertEqual(pinbox.pin_words([note]), [note])  # a pin already shown is shown as it is
         shown = self.ok("show", moved["id"])["pin"]
         self.assertEqual((shown["kind"], shown["gesture"], list(shown)[:4]), ("task", "move", ["text", "kind", "gesture", "move"]))
 
@@ -7292,6 +7293,7 @@ class TestHubApi(HubCase):
         kept = {row[0]: json.loads(row[1]) for row in self.sql("SELECT id, json FROM pins")}
         self.assertEqual([(kept[p["id"]]["kind"], kept[p["id"]].get("intent")) for p in (note, task, moved)],
                          [("note", "note"), ("note", None), ("move", None)])
+        self.assertEqual(self.post_pin("said by its intent", gesture="point", intent="note")["kind"], "note")
 
     def test_pins_over_http(self):
         head = git(self.repo, "rev-parse", "HEAD")
