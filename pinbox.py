@@ -1083,7 +1083,6 @@ def unclaim_deliveries(conn, session_id):
                  (iso_time(), session_id))
 
 
-
 # is_quiet in SQL, for the Stop hook: it must skip quiet rows before its cap, not after
 # (a hundred notes ahead of a task once kept the task from every Stop).
 _LOUD = ("NOT ((e.type = 'pin.created' AND json_extract(e.payload, '$.intent') IS 'note') OR "
@@ -1199,7 +1198,6 @@ def fail_delivery(conn, row_id, message, attempts=None):
     conn.execute("UPDATE deliveries SET status = 'failed', attempts = COALESCE(?, attempts), last_error = ?, "
                  "due_at = NULL, lease_owner = NULL, lease_until = NULL, updated_at = ? WHERE id = ?",
                  (attempts, message, iso_time(), row_id))
-
 
 
 def next_due_at(conn):
@@ -2244,7 +2242,6 @@ def person_of_batch(author):
 
 
 REMOTE = {"id": None}  # target_session's answer for a pin owned by another machine's session
-
 
 
 def target_session(conn, pin):
@@ -7053,7 +7050,6 @@ class _Borrowed:
         if not keep:
             self.store.close()
         return False
-
 
 
 class Activity:
