@@ -4359,6 +4359,21 @@ class TestEvidenceParts(unittest.TestCase):
                                      lambda app, path: served.get(path.split("?")[0]))
         self.assertEqual(found.original(41, 16), ("file:///repo/app/page.jsx", 5, 3))
 
+    def test_only_a_sections_first_row_is_shifted_by_its_offsets_column(self):
+        """The offset's column moves the section's first row only: its later rows start at
+        column 1 as any map's do."""
+        page = json.loads(source_map([[(0, 0, 3, 0)], [(0, 0, 7, 0), (4, 0, 8, 2)]], ("page.jsx",)))
+        index = {"version": 3, "sources": [], "sections": [{"offset": {"line": 10, "column": 20}, "map": page}]}
+        smap = pinbox.SourceMap(json.dumps(index).encode(), "http://app/a.js")
+        self.assertEqual(smap.original(11, 21), ("http://app/page.jsx", 4, 1))
+        self.assertEqual(smap.original(12, 5), ("http://app/page.jsx", 9, 3))  # not column 5 - 20
+        self.assertEqual(smap.original(12, 1), ("http://app/page.jsx", 8, 1))
+
+    def test_a_vlq_number_runs_to_seven_digits_and_no_further(self):
+        self.assertEqual(pinbox.segment_values("ggggggA"), (0,))  # six digits carrying on, and the last
+        with self.assertRaises(KeyError):
+            pinbox.segment_values("gggggggA")  # (past 35 bits: no map's)
+
     def test_a_map_is_found_inline_or_beside_the_module_on_the_same_app_only(self):
         import base64
         smap = source_map([[(0, 0, 9, 4)]], ("Cart.jsx",))
@@ -4814,6 +4829,24 @@ class TestEvidenceEdges(unittest.TestCase):
             "framework": "react", "file": "src/Short.jsx", "line": 4, "column": 7}), lambda *a: None)
         self.assertEqual(pinbox.source_words(gone), "source src/Short.jsx (near, no <button> in this file that fits "
                                                    "what the page saw)")
+
+    def test_a_bearer_token_is_hidden_from_sixteen_characters(self):
+        self.assertEqual(pinbox.hide_secrets("sent bearer abcdefghij123456"), "sent bearer [hidden]")
+        self.assertEqual(pinbox.hide_secrets("sent bearer abcdefghij12345"), "sent bearer abcdefghij12345")
+
+    def test_the_tag_opening_on_the_line_beside_the_given_one_is_the_elements(self):
+        """A framework names the line its JSX element's props start on, or the one after
+        the tag: a fitting tag one line away is the element, sure, however many fit."""
+        lines = ["<ul>", "  <li>{a}</li>", "", "", "", "", "  <li>{b}</li>", "", ""]
+        self.assertEqual(pinbox.place_element(lines, {"tag": "li", "name": "Two"}, 8), (7, True, None))
+        self.assertEqual(pinbox.place_element(lines, {"tag": "li", "name": "Two"}, 9)[:2], (2, False))  # two away
+
+    def test_a_pins_first_ten_extra_elements_are_checked_and_the_rest_dropped(self):
+        extra = {"selector": "#x", "source": {"file": "/etc/passwd", "line": 1, "via": "plugin"}}
+        target = pinbox.place_sources(self.root, {"tag": "h1", "targets": [json.loads(json.dumps(extra))
+                                                                           for _ in range(12)]})
+        kept = [t.get("source") for t in target["targets"]]
+        self.assertEqual(kept, [{"confidence": "unverified"}] * 10 + [None, None])
 
     def test_a_vue_template_at_its_edges(self):
         find = lambda lines, target: pinbox.place_element(lines, target, template_only=True)[:2]
@@ -7294,6 +7327,7 @@ class TestHubApi(HubCase):
         self.assertEqual([(kept[p["id"]]["kind"], kept[p["id"]].get("intent")) for p in (note, task, moved)],
                          [("note", "note"), ("note", None), ("move", None)])
         self.assertEqual(self.post_pin("said by its intent", gesture="point", intent="note")["kind"], "note")
+        self.assertEqual(self.post_pin("an older script's note", kind="task", intent="note")["kind"], "note")
 
     def test_pins_over_http(self):
         head = git(self.repo, "rev-parse", "HEAD")
@@ -10056,6 +10090,23 @@ class TestHubLifecycle(HubCase):
         self.start_hub()
         self.assertEqual((self.hub["token"], self.hub["port"]), (self.token, self.port))
 
+    def test_a_hub_ending_leaves_the_files_another_hub_wrote(self):
+        """A hub removes its hub.json, this user's copy and server.json as it ends, but
+        only those it wrote: files another hub has written over them since are kept."""
+        with unittest.mock.patch.dict(os.environ, self.env):
+            users = os.path.join(pinbox.state_dir(self.repo), "hub.json")
+        hub_json, server_json = os.path.join(self.state, "hub.json"), os.path.join(self.repo, ".pinbox", "server.json")
+        newer = dict(self.hub, pid=os.getpid(), port=1)
+        for path in (hub_json, users):
+            with open(path, "w") as handle:
+                json.dump(newer, handle)
+        self.proc.send_signal(signal.SIGTERM)
+        self.assertEqual(self.proc.wait(timeout=10), 0)
+        for path in (hub_json, users):
+            with open(path) as handle:
+                self.assertEqual(json.load(handle)["pid"], os.getpid(), path)
+        self.assertTrue(os.path.exists(server_json))
+
     def test_idle_exit_waits_for_open_streams(self):
         self.stop_hub(self.proc)
         self.IDLE_MS = "1500"
@@ -11468,6 +11519,7 @@ class TestInitGitHook(PinboxCase):
             handle.write("#!/bin/sh\nexec lint-staged\n")
         os.chmod(hook_path, 0o755)
         self.assertIn("is another tool's hook, without pinbox's lines", hook()["detail"])
+        self.assertEqual((hook()["ok"], hook().get("warning")), (False, None))  # a hook there, not pinbox's: failed
         self.ok("init", cwd=clone)
         self.assertTrue(hook()["ok"])
 
@@ -14113,10 +14165,11 @@ class TestTheHouse(unittest.TestCase):
         # The scan sees a writer in the wrong section, in any case and spacing, and a
         # table named through %.
         for stray in ('    conn.execute("insert  or replace\\n into sessions(id) VALUES (1)")\n',
+                      '    conn.execute("INSERT OR IGNORE INTO sessions(id) VALUES (1)")\n',
                       '    conn.execute("DELETE FROM %s" % "sessions")\n'):
             planted = source.replace("def moved_elsewhere(conn, pin, before):\n",
                                      "def moved_elsewhere(conn, pin, before):\n" + stray, 1)
-            self.assertEqual(sql_writers(planted) - found, {(self.SYNC, "sessions" if "insert" in stray else "%s")})
+            self.assertEqual(sql_writers(planted) - found, {(self.SYNC, "%s" if "%" in stray else "sessions")})
 
     def test_a_private_helper_is_called_only_in_its_own_section(self):
         with open(SCRIPT, encoding="utf-8") as handle:
@@ -14125,6 +14178,9 @@ class TestTheHouse(unittest.TestCase):
         planted = source.replace("def moved_elsewhere(conn, pin, before):\n",
                                  "def moved_elsewhere(conn, pin, before):\n    _session(None)\n", 1)
         self.assertEqual(self.private_strays(planted), {("_session", self.SYNC)})
+        planted = source.replace("def moved_elsewhere(conn, pin, before):\n",
+                                 "def moved_elsewhere(conn, pin, before):\n    _DELIVERY_SELECT\n", 1)
+        self.assertEqual(self.private_strays(planted), {("_DELIVERY_SELECT", self.SYNC)})  # a constant too
 
     @staticmethod
     def private_strays(source):
@@ -14215,6 +14271,10 @@ class TestTheHouse(unittest.TestCase):
             moved = source.replace("def write_err(text):", "def write_err_moved(text):", 1).replace(
                 at, "def write_err(text):\n    pass\n\n\n" + at, 1)
             self.assertIn((self.SYNC, "write_err"), self.forward_references(moved) - self.KNOWN, banner)
+            moved = source.replace("def moved_elsewhere(conn, pin, before):\n",
+                                   "def moved_elsewhere(conn, pin, before):\n    WRITE_ERR_WORDS\n", 1).replace(
+                at, "WRITE_ERR_WORDS = 1\n\n\n" + at, 1)  # a constant too
+            self.assertIn((self.SYNC, "WRITE_ERR_WORDS"), self.forward_references(moved) - self.KNOWN, banner)
 
 
 # ============================================================================
