@@ -14240,6 +14240,21 @@ class TestTheHouse(unittest.TestCase):
         self.assertEqual({title: size for title, size in sizes.items() if size > 800 and not title.startswith(
             ("Sync:", "Assets:"))}, {})
 
+    @staticmethod
+    def imported(source):
+        """The modules a source file imports, anywhere in it."""
+        import ast
+        return {alias.name.split(".")[0] for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Import)
+                for alias in node.names} | {(node.module or "").split(".")[0] for node in ast.walk(ast.parse(source))
+                                            if isinstance(node, ast.ImportFrom)}
+
+    def test_the_benchmarks_import_nothing_from_the_tests(self):
+        with open(os.path.join(HERE, "bench", "run.py"), encoding="utf-8") as handle:
+            source = handle.read()
+        self.assertNotIn("test_pinbox", self.imported(source))
+        self.assertIn("test_pinbox", self.imported(source.replace("    import socket\n",
+                                                                  "    from test_pinbox import closed_port\n", 1)))
+
     def test_the_import_api_is_what_readme_documents(self):
         self.assertEqual(set(pinbox.__all__), {"run", "main", "VERSION"})
         with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:

@@ -808,15 +808,142 @@ def bench_mcp(runs, workdir):
                  target_ms=1000)]
 
 
+def chromium_binary():
+    """Headless Chromium for the page timings: the one the browser tests use (PINBOX_TEST_CHROMIUM)."""
+    path = os.environ.get("PINBOX_TEST_CHROMIUM")
+    return path if path and os.access(path, os.X_OK) else None
+
+
+class Browser:
+    """Headless Chromium over the DevTools protocol on a pipe, for the few moves the
+    bench makes: open a page, run a script, click an element, press a key, type.
+    Chromium reads commands from its fd 3 and answers on fd 4."""
+
+    CTRL = 2  # the DevTools modifier bit
+
+    def __init__(self, binary, workdir):
+        self.profile = tempfile.mkdtemp(prefix="chromium-", dir=workdir)
+        their_in, self.out = os.pipe()
+        self.inp, their_out = os.pipe()
+        launch = "import os,sys;os.dup2(%d,3);os.dup2(%d,4);os.execv(sys.argv[1],sys.argv[1:])" % (their_in, their_out)
+        flags = ["--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--mute-audio",
+                 "--disable-background-networking", "--disable-extensions", "--window-size=1280,800",
+                 "--remote-debugging-pipe", "--user-data-dir=" + os.path.join(self.profile, "profile")]
+        self.proc = subprocess.Popen([sys.executable, "-S", "-c", launch, binary] + flags + ["about:blank"],
+                                     pass_fds=(their_in, their_out), env=dict(os.environ, HOME=self.profile),
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+        os.close(their_in)
+        os.close(their_out)
+        self.pending, self.seen, self.asked, self.page = b"", [], 0, None
+
+    def send(self, method, params=None, to_page=True, timeout=60):
+        """The answer to one command (a hang guard of `timeout` s); events met meanwhile are kept."""
+        self.asked += 1
+        command = dict({"id": self.asked, "method": method, "params": params or {}},
+                       **({"sessionId": self.page} if to_page else {}))
+        os.write(self.out, json.dumps(command).encode() + b"\0")
+        deadline = time.monotonic() + timeout
+        while True:
+            message = self.receive(deadline, method)
+            if message.get("id") != self.asked:
+                self.seen.append(message.get("method"))
+            elif "error" in message:
+                raise SystemExit("bench: %s: %s" % (method, message["error"]))
+            else:
+                return message.get("result", {})
+
+    def receive(self, deadline, awaited):
+        import select
+        while b"\0" not in self.pending:
+            if not select.select([self.inp], [], [], max(0, deadline - time.monotonic()))[0]:
+                raise SystemExit("bench: chromium gave no %s" % awaited)
+            chunk = os.read(self.inp, 1 << 16)
+            if not chunk:
+                raise SystemExit("bench: chromium exited")
+            self.pending += chunk
+        raw, self.pending = self.pending.split(b"\0", 1)
+        return json.loads(raw)
+
+    def open(self, url):
+        """Loads `url` in the bench's one tab, and returns once its load event fired."""
+        if self.page is None:
+            tab = self.send("Target.createTarget", {"url": "about:blank"}, to_page=False)["targetId"]
+            self.page = self.send("Target.attachToTarget", {"targetId": tab, "flatten": True}, to_page=False)["sessionId"]
+            self.send("Page.enable")
+        self.seen = []
+        self.send("Page.navigate", {"url": url})
+        deadline = time.monotonic() + 30
+        while "Page.loadEventFired" not in self.seen:
+            self.seen.append(self.receive(deadline, "load event").get("method"))
+
+    def evaluate(self, expression):
+        answer = self.send("Runtime.evaluate", {"expression": expression, "awaitPromise": True, "returnByValue": True})
+        if "exceptionDetails" in answer:
+            raise SystemExit("bench: the page threw: %s" % answer["exceptionDetails"].get("text"))
+        return answer["result"].get("value")
+
+    def wait_for(self, expression, timeout=5.0):
+        """Returns once `expression` is true in the page, looked at on each frame."""
+        return self.evaluate("new Promise((yes, no) => { const end = performance.now() + %d; (function look() {"
+                             " let v; try { v = (%s) } catch (e) {} if (v) yes(v); else if (performance.now() > end)"
+                             " no(new Error('timed out')); else requestAnimationFrame(look) })() })"
+                             % (timeout * 1000, expression))
+
+    def click_at(self, element):
+        x, y = self.evaluate("(() => { const r = (%s).getBoundingClientRect(); return [r.left + r.width / 2,"
+                             " r.top + r.height / 2] })()" % element)
+        for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
+            self.send("Input.dispatchMouseEvent", {"type": kind, "x": x, "y": y, "button": "left", "clickCount": 1})
+
+    def key(self, name, modifiers=0):
+        """One key down and up: a letter, or Enter; with Ctrl it types nothing."""
+        event = {"key": name, "code": "Enter" if name == "Enter" else "Key" + name.upper(), "modifiers": modifiers,
+                 "windowsVirtualKeyCode": 13 if name == "Enter" else ord(name.upper())}
+        typed = None if modifiers else "\r" if name == "Enter" else name
+        self.send("Input.dispatchKeyEvent", dict(event, type="keyDown", text=typed) if typed else
+                  dict(event, type="rawKeyDown"))
+        self.send("Input.dispatchKeyEvent", dict(event, type="keyUp"))
+
+    def type_text(self, text):
+        self.send("Input.insertText", {"text": text})
+
+    def close(self):
+        try:
+            self.send("Browser.close", to_page=False, timeout=5)
+            self.proc.wait(timeout=5)
+        except (SystemExit, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(self.proc.pid, 9)
+        except OSError:
+            pass
+        self.proc.wait()
+        os.close(self.inp)
+        os.close(self.out)
+
+
+def toolbar_element(selector):
+    return "document.getElementById('pinbox-toolbar-host').shadowRoot.querySelector(%s)" % json.dumps(selector)
+
+
+def product_png(width, height):
+    """The shop's product picture: a brown PNG, written with zlib."""
+    import struct
+    import zlib
+    parts = [(b"IHDR", struct.pack("!2I5B", width, height, 8, 2, 0, 0, 0)),
+             (b"IDAT", zlib.compress((b"\0" + b"\xb4\x78\x3c" * width) * height)), (b"IEND", b"")]
+    return b"\x89PNG\r\n\x1a\n" + b"".join(struct.pack("!I", len(data)) + kind + data + struct.pack(
+        "!I", zlib.crc32(kind + data)) for kind, data in parts)
+
+
 def typical_page(site, hub):
     """A shop page of about 400 elements: a stylesheet, a nav, 24 cards with a picture
     and a button each; the hub's toolbar tag; and the bench's own stopwatch (a keydown
     and a click listener that run before the toolbar's, and a fetch that notes when
     POST /pins answers)."""
-    sys.path.insert(0, ROOT)
-    from test_pinbox import make_png
     with open(os.path.join(site, "shoe.png"), "wb") as handle:
-        handle.write(make_png(160, 100, (180, 120, 60)))
+        handle.write(product_png(160, 100))
     rules = "".join(".c%d{margin:%dpx;color:#%03x}" % (i, i % 7, i * 37 % 4096) for i in range(200))
     cards = "".join("<article class='card c%d'><img src=/shoe.png width=160 height=100 alt=shoe><h3>Shoe %d</h3>"
                     "<p>Leather, size %d. <em>In stock</em></p><button class=buy id=buy%d>Buy</button></article>"
@@ -841,8 +968,6 @@ def bench_toolbar(runs, workdir):
     picture drawn, and from Ctrl+Enter to the pin stored with its two PNGs, beside the
     same pin without a picture (capture turned off), run for run."""
     import gzip
-    sys.path.insert(0, ROOT)
-    from test_pinbox import Chromium, chromium_binary, toolbar_element
     rows = [{"name": "toolbar.js as served", "bytes": len(pinbox.TOOLBAR_JS.encode()),
              "gzip_bytes": len(gzip.compress(pinbox.TOOLBAR_JS.encode()))}]
     binary = chromium_binary()
@@ -859,7 +984,7 @@ def bench_toolbar(runs, workdir):
     old = dict(os.environ)
     os.environ.update(XDG_STATE_HOME=env["XDG_STATE_HOME"])
     proc, hub = start_hub(repo, env)
-    browser = Chromium(binary, workdir)
+    browser = Browser(binary, workdir)
     try:
         typical_page(site, hub)
         samples = {"drawn": [], "capture": [], "plain": []}
@@ -1054,13 +1179,26 @@ def bench_place_element(runs, workdir):
             dict(name="  a wrong line: the file searched, the one fit found", **summarize(samples["searched"]))]
 
 
+# The shop's cart on React 19 and Vite, for the source timings: a pin names its title.
+REACT_SHOP = {
+    "vite.config.js": "import react from '@vitejs/plugin-react'\nexport default { plugins: [react()], "
+                      "cacheDir: '.vite-cache', logLevel: 'warn', server: { hmr: false } }\n",
+    "index.html": '<!doctype html><html><head><meta charset="utf-8"><title>Shop</title></head><body>'
+                  '<div id="app"></div><script type="module" src="/src/main.jsx"></script></body></html>\n',
+    "src/main.jsx": "import { createRoot } from 'react-dom/client'\nimport Cart from './components/Cart.jsx'\n"
+                    "createRoot(document.getElementById('app')).render(<Cart />)\n",
+    "src/components/Cart.jsx": "export default function Cart() {\n  return (\n    <section className=\"cart\">\n"
+                               "      <h2 id=\"cart-title\">Cart</h2>\n      <button id=\"buy\">Buy now</button>\n"
+                               "    </section>\n  )\n}\n"}
+
+
 def bench_sources(runs, workdir):
     """How long a pin waits for its source on a warm dev server: the React 19 app of the
     tests on a real Vite (PINBOX_TEST_FRAMEWORKS, as .ci/run installs it), behind
     `pinbox open`; a pin whose element names a position in the served module (fetched,
     its inline map decoded, the line checked against the checkout), beside the same pin
     naming its file and line already. Each pin maps afresh: nothing is kept between."""
-    from test_pinbox import FRAMEWORK_APPS, closed_port
+    import socket
     from urllib.request import urlopen
     modules = os.path.join(os.environ.get("PINBOX_TEST_FRAMEWORKS") or "", "fw-react19", "node_modules")
     if not os.path.exists(os.path.join(modules, ".bin", "vite")):
@@ -1068,7 +1206,7 @@ def bench_sources(runs, workdir):
         return []
     env = bench_env(workdir)
     repo = project(workdir, "sources", env)
-    for path, text in FRAMEWORK_APPS["react19"].items():
+    for path, text in REACT_SHOP.items():
         os.makedirs(os.path.dirname(os.path.join(repo, path)), exist_ok=True)
         with open(os.path.join(repo, path), "w") as handle:
             handle.write(text)
@@ -1077,7 +1215,9 @@ def bench_sources(runs, workdir):
         handle.write("node_modules\n.vite-cache/\n")
     for args in (["add", "-A"], ["commit", "-qm", "the app"]):
         subprocess.run(["git"] + args, cwd=repo, env=env, check=True)
-    port = closed_port()
+    with socket.socket() as free:  # a port no one listens on, for Vite to take
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
     vite = subprocess.Popen([os.path.join(modules, ".bin", "vite"), "--host", "127.0.0.1", "--port", str(port),
                              "--strictPort"], cwd=repo, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
@@ -1102,7 +1242,8 @@ def bench_sources(runs, workdir):
         line = next(n for n, text in enumerate(code.split("\n"), 1) if '"cart-title"' in text)
         target = {"url": proxy + "/", "tag": "h2", "selector": "#cart-title", "name": "Cart"}
         framed = {"via": "framework", "framework": "react", "frame": {"url": module, "line": line, "column": 1}}
-        given = {"via": "framework", "framework": "react", "file": "src/components/Cart.jsx", "line": 9}
+        title = next(n for n, text in enumerate(REACT_SHOP["src/components/Cart.jsx"].split("\n"), 1) if "cart-title" in text)
+        given = {"via": "framework", "framework": "react", "file": "src/components/Cart.jsx", "line": title}
         samples = {"framed": [], "given": []}
         for i in range(max(runs, 20)):
             for name in sorted(samples, reverse=i % 2 == 1):
@@ -1112,7 +1253,7 @@ def bench_sources(runs, workdir):
                 status, data = call_hub(hub["port"], hub["token"], "POST", "/pins", body)
                 samples[name].append((time.perf_counter() - started) * 1000)
                 source = json.loads(data)["data"]["target"]["source"]
-                if status != 201 or (source.get("line"), source.get("confidence")) != (9, "exact"):
+                if status != 201 or (source.get("line"), source.get("confidence")) != (title, "exact"):
                     raise SystemExit("bench: the pin's source was not found: %s %r" % (status, source))
         return [dict(name="pin naming its file and line (React 18's way)", **summarize(samples["given"])),
                 dict(name="pin naming a position in the served module (React 19)", **summarize(samples["framed"]),
@@ -1136,8 +1277,6 @@ def bench_evidence(runs, workdir):
     rows = [dict(name="2 MB source map: its JSON parsed (floor)", **summarize(samples["parse"])),
             dict(name="2 MB source map: a position near its end resolved", **summarize(samples["resolve"]))]
     rows += bench_index_map(runs) + bench_place_element(runs, workdir)
-    sys.path.insert(0, ROOT)
-    from test_pinbox import Chromium, chromium_binary
     binary = chromium_binary()
     if binary is None:
         print("bench: page load timings skipped: chromium not installed")
@@ -1156,7 +1295,7 @@ def bench_evidence(runs, workdir):
     app = subprocess.Popen([sys.executable, "-c", KEEP_ALIVE_SERVER], cwd=site, stdout=subprocess.PIPE,
                            stderr=subprocess.DEVNULL)
     port = int(app.stdout.readline())
-    browser = Chromium(binary, workdir)
+    browser = Browser(binary, workdir)
     loaded = ("new Promise(r => { const done = () => setTimeout(() => { const t = performance.getEntriesByType("
               "'navigation')[0]; r(t.loadEventStart - t.startTime); }); if (document.readyState === 'complete') "
               "done(); else addEventListener('load', done); })")
