@@ -82,9 +82,10 @@ effects.
 # Layering: a section uses only names defined in itself or above it (TestTheHouse walks
 # the syntax tree to hold this). Known cycles, each allowed because the alternative
 # splits one rule in two places: the store's migration calls the ledger's
-# backfill_delivery_pins (the ledger's own rule, kept with the ledger); the ledger hands
-# each event it records to route_event (routing needs pins and sessions, defined after
-# the ledger); the hub serves the assets kept at the back, as bottle keeps its templates.
+# backfill_delivery_pins (the ledger's own rule, kept with the ledger); the ledger asks
+# route_event whom each event's row is for, and writes it (routing needs pins and
+# sessions, defined after the ledger); the hub serves the assets kept at the back, as
+# bottle keeps its templates.
 # Each table has one section that writes it (migrations aside): TestTheHouse.WRITERS.
 # Imports sit inside the functions that need them: a hook runs on every prompt and every
 # commit, and json's Python half, re, argparse, subprocess or threading at the top would
@@ -978,8 +979,13 @@ def record_event(conn, kind, at, payload, routed=True):
     seq = conn.execute("INSERT INTO events(type, at, payload) VALUES (?, ?, ?)",
                        (kind, at, dumps_compact(payload))).lastrowid
     if routed:
-        route_event(conn, seq, kind, payload)
+        add_ledger_row(conn, seq, kind, payload)
     return seq
+
+
+def add_ledger_row(conn, seq, kind, payload):
+    """The ledger row of event `seq`: whom it is for and how it goes, as routing says."""
+    insert_delivery(conn, seq, *route_event(conn, kind, payload))
 
 
 def rewrite_pin_events(conn, pin_id, change):
@@ -2205,27 +2211,26 @@ RESUME_BINARIES = {"claude": "claude", "codex": "codex", "hermes": "hermes"}
 HOOK_CAP = 100
 
 
-def route_event(conn, seq, kind, payload):
+def route_event(conn, kind, payload):
+    """(pin, session id, adapter, status, due time) of an event's ledger row: which
+    session hears of it, and how."""
     if kind == "pin.resolved":
         skip_unclaimed(conn, payload.get("id"))
     pin_id = deliverable_pin(kind, payload)
     pin = find_pin(conn, pin_id) if pin_id else None
     if pin is None:
-        insert_delivery(conn, seq, None, None, "none", "skipped")
-        return
+        return None, None, "none", "skipped"
     quiet = is_quiet(kind, payload)
     if quiet and kind == "pin.verified" and not pin.get("agentSession"):
-        insert_delivery(conn, seq, pin_id, None, "none", "skipped")  # an accepted fix nobody's agent made
-        return
+        return pin_id, None, "none", "skipped"  # an accepted fix nobody's agent made
     session = target_session(conn, pin)
     if session is REMOTE:
-        insert_delivery(conn, seq, pin_id, None, "remote", "skipped")  # its session lives on another machine
-    elif session is None:
-        insert_delivery(conn, seq, pin_id, None, "none", "pending")  # unassigned: the next session claims it
-    elif quiet:
-        insert_delivery(conn, seq, pin_id, session["id"], "hooks", "pending")  # (no due time: never pushed)
-    else:
-        insert_delivery(conn, seq, pin_id, session["id"], *first_adapter(session))
+        return pin_id, None, "remote", "skipped"  # its session lives on another machine
+    if session is None:
+        return pin_id, None, "none", "pending"  # unassigned: the next session claims it
+    if quiet:
+        return pin_id, session["id"], "hooks", "pending"  # (no due time: never pushed)
+    return (pin_id, session["id"]) + first_adapter(session)
 
 
 def is_remote(ref):
@@ -3237,7 +3242,7 @@ def replay_unrouted(store):
     with store.write() as conn:
         for seq, kind, raw in conn.execute("SELECT seq, type, payload FROM events WHERE seq > ? ORDER BY seq",
                                            (last_routed_seq(conn),)).fetchall():
-            route_event(conn, seq, kind, json_loads(raw))
+            add_ledger_row(conn, seq, kind, json_loads(raw))
         release_dead_leases(conn)
         rearm_unreachable(conn)
 
@@ -4810,7 +4815,7 @@ def apply_imported(store, ref_heads, batches, device, set_aside=()):
         for pin_id in dict.fromkeys(touched):
             refold_pin(conn, pin_id, device, appended, media)
         for seq, kind, payload in sorted(appended, key=lambda a: a[0]):
-            route_event(conn, seq, kind, payload)
+            add_ledger_row(conn, seq, kind, payload)
         conn.executemany("INSERT INTO sync_rejects(ref, commit_sha, event_id, reason, body, at) VALUES "
                          "(?, ?, ?, ?, ?, ?)", [r + (iso_time(),) for r in rejects])
         conn.executemany("INSERT INTO sync_imports(ref, commit_sha) VALUES (?, ?) ON CONFLICT(ref) DO UPDATE SET "

@@ -14108,8 +14108,8 @@ class TestTheHouse(unittest.TestCase):
     KNOWN = {
         # the store's migration fills in the ledger's pin column (the ledger's own rule, kept with it);
         ("Store: files, schema, migrations", "backfill_delivery_pins"),
-        # the ledger hands each event it records to routing, which needs the pins and
-        # sessions defined after the ledger;
+        # the ledger asks routing whom each event's row is for (and writes the row),
+        # and routing needs the pins and sessions defined after the ledger;
         ("Events and the delivery ledger", "route_event"),
         # the hub serves the pages and scripts kept at the back of the file, as bottle
         # keeps its templates: long strings that would stand between every section.
@@ -14290,6 +14290,55 @@ class TestTheHouse(unittest.TestCase):
                                    "def moved_elsewhere(conn, pin, before):\n    WRITE_ERR_WORDS\n", 1).replace(
                 at, "WRITE_ERR_WORDS = 1\n\n\n" + at, 1)  # a constant too
             self.assertIn((self.SYNC, "WRITE_ERR_WORDS"), self.forward_references(moved) - self.KNOWN, banner)
+
+
+# A hub in this process, given one pin over HTTP: prints the lines of pinbox.py on the
+# stack (outermost first) where the pin's ledger row is written, then the writer's own.
+PIN_PATH = r"""
+import http.client, json, os, signal, sys, threading, traceback
+sys.path.insert(0, sys.argv[1])
+import pinbox
+write, stacks, ready = pinbox.insert_delivery, [], threading.Event()
+
+def spy(*args):
+    stacks.append([f.lineno for f in traceback.extract_stack() if f.filename == pinbox.__file__])
+    return write(*args)
+
+def post(port, token):
+    ready.wait(30)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", "/pins", json.dumps({"text": "x", "author": {"userId": "u"}}),
+                 {"Authorization": "Bearer " + token, "Content-Type": "application/json"})
+    print(json.dumps({"status": conn.getresponse().status, "stacks": stacks,
+                      "writer": write.__code__.co_firstlineno}), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+pinbox.insert_delivery = spy
+pinbox.run_hub(sys.argv[2], ready=lambda port, token: (threading.Thread(target=post, args=(port, token)).start(),
+                                                        ready.set()))
+"""
+
+
+class TestThePinsPath(PinboxCase):
+    def test_a_pin_from_post_to_its_ledger_row_moves_back_at_most_three_sections(self):
+        """Following one pin from `POST /pins` to the row that delivers it, a reader moves
+        back to an earlier section at most three times: the handler to the router, to
+        pins, to the ledger (which asks routing whom the row is for, and writes it)."""
+        git_commit(self.repo, "initial")
+        done = subprocess.run([sys.executable, "-S", "-c", PIN_PATH, HERE, self.repo], env=self.env, cwd=self.repo,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+        found = json.loads(done.stdout.decode().splitlines()[-1])
+        self.assertEqual((found["status"], len(found["stacks"])), (201, 1), done.stderr.decode()[-2000:])
+        with open(SCRIPT, encoding="utf-8") as handle:
+            banners = file_banners(handle.read())
+        section = lambda line: max(n for n, (at, _) in enumerate(banners) if line > at)
+        path = []
+        for line in found["stacks"][0] + [found["writer"] + 1]:
+            if not path or path[-1] != section(line):
+                path.append(section(line))
+        self.assertEqual(path[0], [title for _, title in banners].index("Hub: the HTTP handler"))
+        self.assertLessEqual(sum(1 for a, b in zip(path, path[1:]) if b < a), 3,
+                             [banners[n][1] for n in path])
 
 
 # ============================================================================
