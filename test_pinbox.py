@@ -3767,25 +3767,23 @@ class TestInbox(HookCase):
         self.ok("session", "forget", self.b)
         self.assertEqual(self.sql("SELECT COUNT(*) FROM inbox WHERE session_id = ?", self.b)[0][0], 0)
 
-    @campaign_only("48 timed wake-ups of a parked reader")
-    def test_wake_latency_from_another_process(self):
-        latencies = []
-        trials = 48
-        for i in range(trials):
-            waiter = subprocess.Popen([*PINBOX, "agent", "inbox", "--wait", "--timeout", "20000"],
-                                      cwd=self.repo, env=self.as_(self.b), stdout=subprocess.PIPE)
-            self.wait_parked(self.b)
-            poster = subprocess.Popen([*PINBOX, "agent", "post", self.b, "ping %d" % i],
-                                      cwd=self.repo, env=self.env, stdout=subprocess.PIPE)
-            poster.communicate(timeout=20)
-            posted = time.monotonic()
-            waiter.communicate(timeout=20)
-            latencies.append(time.monotonic() - posted)
-            self.ok("agent", "ack", *[m["id"] for m in self.inbox(self.b)["messages"]], env=self.as_(self.b))
-        median = sorted(latencies)[len(latencies) // 2]
-        print("\n  inbox wake after a post from another process: median %.1f ms, max %.1f ms over %d trials"
-              % (median * 1000, max(latencies) * 1000, trials))
-        self.assertLess(median, 0.1)
+    def test_a_post_from_another_process_wakes_the_parked_reader_through_its_fifo(self):
+        """A parked reader sleeps until a poster writes to its FIFO (how fast: bench/'s
+        inbox figures); its 1 s beat only notices a store going away. Each post from
+        another process makes the reader's FIFO readable: a post that did not would
+        leave it asleep until this test's hang guard."""
+        import select
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        self.addCleanup(store.close)
+        for i in range(3):
+            parked = pinbox.Parked(pinbox.wait_folder(store), self.b)
+            try:
+                self.post(self.b, "ping %d" % i, sender=self.a)
+                poller = select.poll()
+                poller.register(parked.fd, select.POLLIN)
+                self.assertTrue(poller.poll(30000), "the post wrote to no parked reader's FIFO")
+            finally:
+                parked.close()
 
 
 class TestInboxOverHttp(HubCase):
