@@ -14253,6 +14253,16 @@ class TestTheHouse(unittest.TestCase):
         self.assertIn("test_pinbox", self.imported(source.replace("    import socket\n",
                                                                   "    from test_pinbox import closed_port\n", 1)))
 
+    def test_every_test_ci_names_is_here(self):
+        """.ci/run names its campaigns' and real tools' tests one by one: a test renamed or
+        taken out here would fail CI only once it ran (and say nothing useful)."""
+        with open(os.path.join(HERE, ".ci", "run"), encoding="utf-8") as handle:
+            named = re.findall(r"\b(Test\w+)(?:\.(test_\w+))?", handle.read())
+        self.assertGreater(len(named), 30)
+        missing = [(cls, method) for cls, method in named
+                   if not isinstance(globals().get(cls), type) or (method and not hasattr(globals()[cls], method))]
+        self.assertEqual(missing, [])
+
     def test_the_import_api_is_what_readme_documents(self):
         self.assertEqual(set(pinbox.__all__), {"run", "main", "VERSION"})
         with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
