@@ -10704,7 +10704,8 @@ class TestMcpConformance(PinboxCase):
             self.assertEqual(call("inbox_ack", ids=[m["id"] for m in mail])["acked"], [m["id"] for m in mail])
             listener = subprocess.Popen([mcpdo, "--format", "json"] + name + ["resources/subscribe",
                                                                              "pinbox://pins/open"],
-                                        cwd=self.repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                        cwd=self.repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
             self.addCleanup(lambda p=listener: p.poll() is None and p.kill())
             heard = [b""]
 
@@ -12810,9 +12811,12 @@ class TestTheFileAsACommand(PinboxCase):
     def test_ctrl_c_reaches_the_command_itself(self):
         """sh execs Python: the pid the shell started is pinbox's, so a Ctrl-C ends it
         as it ends `python3 pinbox.py` (130, "pinbox: interrupted"), and nothing is left."""
+        # As a terminal starts it: Ctrl-C not ignored (a job a script started in the
+        # background, this suite's runner perhaps, inherits SIGINT ignored).
+        terminal = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
         for argv in ([sys.executable, SCRIPT], [self.dropped()]):
             reader = subprocess.Popen(argv + ["pin", "-"], cwd=self.repo, env=self.env, stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=terminal)
             self.addCleanup(reader.kill)
             waiting = lambda: "pipe_read" in self.read("/proc/%d/wchan" % reader.pid)
             eventually(waiting, 30, "%s blocked reading its stdin" % argv)
