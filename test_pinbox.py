@@ -2440,6 +2440,13 @@ class TestNotesVerdictsNudges(HookCase):
         self.assertIn(tasks[-1], self.stop("k1"))
         self.assertEqual(ledger(), {"note pending": cap // 2 + cap, "task delivered": cap // 2 + cap + 15})
 
+    def test_an_accepted_fix_no_agent_made_is_for_no_session(self):
+        pin = self.pin("Logo is blurry")  # no session here: no agent has it
+        self.ok("resolve", pin["id"])
+        self.ok("verify", pin["id"], "--outcome", "accepted")
+        self.assertEqual(self.sql("SELECT d.adapter, d.status FROM deliveries d JOIN events e ON e.seq = d.event_seq "
+                                  "WHERE e.type = 'pin.verified'"), [("none", "skipped")])
+
     def test_a_note_or_an_accepted_fix_never_wakes_an_ended_session(self):
         bin_dir = os.path.join(self.tmp, "bin")  # a `claude` to resume with: an ended session could be woken
         os.makedirs(bin_dir)
@@ -6267,6 +6274,9 @@ class TestSync(SyncCase):
         self.assertIn(pin["id"], winner.inject(won_key))
         # A person's reply on the loser's machine follows the pin to the winner's session.
         loser.ok("reply", pin["id"], "it also happens on mobile")
+        self.assertEqual(loser.sql("SELECT d.adapter, d.status FROM deliveries d JOIN events e ON e.seq = d.event_seq "
+                                   "WHERE e.type = 'thread.message'"), [("remote", "skipped")])  # at once, not at a sync
+        self.assertNotIn("it also happens on mobile", loser.inject(lost_key))
         loser.sync()
         winner.sync()
         self.assertIn("it also happens on mobile", winner.inject(won_key))
@@ -6282,6 +6292,9 @@ class TestSync(SyncCase):
         winner.sync()
         self.assertIn("PBX-AGENT-WORDS", json.dumps(winner.ok("show", pin["id"])["thread"]))
         self.assertNotIn("PBX-AGENT-WORDS", winner.inject(won_key))
+        for machine in (loser, winner):  # (a pin taken away, and events a sync brought: one row each)
+            self.assertEqual(machine.sql("SELECT e.seq, e.type FROM events e LEFT JOIN deliveries d ON "
+                                         "d.event_seq = e.seq GROUP BY e.seq HAVING COUNT(d.id) != 1"), [])
 
     @campaign_only("two machines working for 24 steps take half a minute")
     def test_two_machines_working_at_once_end_with_the_same_pins_and_threads(self):
