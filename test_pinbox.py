@@ -14330,13 +14330,15 @@ def spy(*args):
     return write(*args)
 
 def post(port, token):
-    ready.wait(30)
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    conn.request("POST", "/pins", json.dumps({"text": "x", "author": {"userId": "u"}}),
-                 {"Authorization": "Bearer " + token, "Content-Type": "application/json"})
-    print(json.dumps({"status": conn.getresponse().status, "stacks": stacks,
-                      "writer": write.__code__.co_firstlineno}), flush=True)
-    os.kill(os.getpid(), signal.SIGTERM)
+    try:
+        ready.wait(30)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/pins", json.dumps({"text": "x", "author": {"userId": "u"}}),
+                     {"Authorization": "Bearer " + token, "Content-Type": "application/json"})
+        print(json.dumps({"status": conn.getresponse().status, "stacks": stacks,
+                          "writer": write.__code__.co_firstlineno}), flush=True)
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)  # the hub ends whatever happened
 
 pinbox.insert_delivery = spy
 pinbox.run_hub(sys.argv[2], ready=lambda port, token: (threading.Thread(target=post, args=(port, token)).start(),
