@@ -2212,7 +2212,7 @@ HOOK_CAP = 100
 
 
 def route_event(conn, kind, payload):
-    """(pin, session id, adapter, status, due time) of an event's ledger row: which
+    """(pin, session id, adapter, status[, due time]) of an event's ledger row: which
     session hears of it, and how."""
     if kind == "pin.resolved":
         skip_unclaimed(conn, payload.get("id"))

@@ -4840,8 +4840,8 @@ class TestEvidenceEdges(unittest.TestCase):
         self.assertEqual(pinbox.hide_secrets("sent bearer abcdefghij12345"), "sent bearer abcdefghij12345")
 
     def test_the_tag_opening_on_the_line_beside_the_given_one_is_the_elements(self):
-        """A framework names the line its JSX element's props start on, or the one after
-        the tag: a fitting tag one line away is the element, sure, however many fit."""
+        """A fitting tag one line from the line the framework gave is the element, and
+        sure, however many fit elsewhere in the file; two lines away it is not."""
         lines = ["<ul>", "  <li>{a}</li>", "", "", "", "", "  <li>{b}</li>", "", ""]
         self.assertEqual(pinbox.place_element(lines, {"tag": "li", "name": "Two"}, 8), (7, True, None))
         self.assertEqual(pinbox.place_element(lines, {"tag": "li", "name": "Two"}, 9)[:2], (2, False))  # two away
