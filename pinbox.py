@@ -1089,31 +1089,32 @@ def unclaim_deliveries(conn, session_id):
                  (iso_time(), session_id))
 
 
-# is_quiet in SQL, for the Stop hook: it must skip quiet rows before its cap, not after
-# (a hundred notes ahead of a task once kept the task from every Stop).
-_LOUD = ("NOT ((e.type = 'pin.created' AND json_extract(e.payload, '$.intent') IS 'note') OR "
-         "(e.type = 'pin.verified' AND json_extract(e.payload, '$.verification.outcome') IS 'accepted'))")
+# What the Stop hook may take, in SQL so that its cap counts only these (a hundred notes,
+# or rows of pins closed meanwhile, ahead of a task once kept the task from every Stop):
+# no row is_quiet, and none of a pin no longer open.
+_AT_STOP = ("AND NOT ((e.type = 'pin.created' AND json_extract(e.payload, '$.intent') IS 'note') OR "
+            "(e.type = 'pin.verified' AND json_extract(e.payload, '$.verification.outcome') IS 'accepted')) "
+            "AND d.pin_id IN (SELECT id FROM pins WHERE status = 'open') ")
+# A session's rows it may pull now: only a push in flight (its lease held) is left to finish.
+_PULLABLE = ("FROM deliveries d JOIN events e ON e.seq = d.event_seq WHERE d.session_id = ? AND d.status = 'pending' "
+             "%sAND (d.lease_until IS NULL OR d.lease_until < ? OR d.updated_at > ?)")
 
 
-def pending_pulls(conn, session_id, limit=-1, loud=False):
-    """The session's pending rows, oldest first (at most `limit`; -1: all; with `loud`,
-    none that is_quiet): a session that pulls is reachable, whatever adapter a row was
-    waiting for. Only a push in flight (its lease held) is left to finish, so nothing is
-    delivered twice."""
-    return conn.execute(
-        "SELECT d.id, e.seq, e.type, e.payload FROM deliveries d JOIN events e ON e.seq = d.event_seq "
-        "WHERE d.session_id = ? AND d.status = 'pending' %s"
-        "AND (d.lease_until IS NULL OR d.lease_until < ? OR d.updated_at > ?) ORDER BY d.id LIMIT ?"
-        % ("AND %s " % _LOUD if loud else ""),
-        (session_id, iso_time(), clock_stepped_back(time.time()), limit)).fetchall()
+def pending_pulls(conn, session_id, limit=-1, at_stop=False):
+    """The session's pending rows, oldest first (at most `limit`; -1: all; `at_stop`:
+    those the Stop hook takes): a session that pulls is reachable, whatever adapter a
+    row was waiting for, and nothing is delivered twice."""
+    return conn.execute("SELECT d.id, e.seq, e.type, e.payload " + _PULLABLE % (_AT_STOP if at_stop else "")
+                        + " ORDER BY d.id LIMIT ?",
+                        (session_id, iso_time(), clock_stepped_back(time.time()), limit)).fetchall()
 
 
-def waiting_rows(conn, session_id, loud=False):
+def waiting_rows(conn, session_id, at_stop=False):
     """How many rows still wait for the session (read off the index alone, but for
-    `loud`: only those that are not quiet)."""
-    if loud:
-        return conn.execute("SELECT COUNT(*) FROM deliveries d JOIN events e ON e.seq = d.event_seq "
-                            "WHERE d.session_id = ? AND d.status = 'pending' AND " + _LOUD, (session_id,)).fetchone()[0]
+    `at_stop`: those pending_pulls would give the Stop hook)."""
+    if at_stop:
+        return conn.execute("SELECT COUNT(*) " + _PULLABLE % _AT_STOP,
+                            (session_id, iso_time(), clock_stepped_back(time.time()))).fetchone()[0]
     return conn.execute("SELECT COUNT(*) FROM deliveries WHERE session_id = ? AND status = 'pending'",
                         (session_id,)).fetchone()[0]
 
@@ -2525,11 +2526,12 @@ def collect_mid_turn(store, agent, key):
         if session is None:
             return Arrivals(conn, [])
         touch_session(conn, session["id"])
-        # Notes and accepted fixes never hold the agent: they wait for its next prompt.
-        rows = pending_pulls(conn, session["id"], HOOK_CAP, loud=True)
+        # Notes, accepted fixes and pins closed meanwhile never hold the agent: they wait
+        # for its next prompt.
+        rows = pending_pulls(conn, session["id"], HOOK_CAP, at_stop=True)
         arrivals = Arrivals(conn, rows).only_open()
         mark_delivered(conn, [r[0] for r in rows])
-        arrivals.waiting = waiting_rows(conn, session["id"], loud=True) if len(rows) == HOOK_CAP else 0
+        arrivals.waiting = waiting_rows(conn, session["id"], at_stop=True) if len(rows) == HOOK_CAP else 0
     return arrivals
 
 

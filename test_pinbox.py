@@ -2440,6 +2440,39 @@ class TestNotesVerdictsNudges(HookCase):
         self.assertIn(tasks[-1], self.stop("k1"))
         self.assertEqual(ledger(), {"note pending": cap // 2 + cap, "task delivered": cap // 2 + cap + 15})
 
+    def test_the_stop_hook_passes_over_pins_closed_meanwhile_before_its_cap(self):
+        """Stop took HOOK_CAP rows and only then dropped those of pins no longer open:
+        behind a person's replies on 100 pins they then resolved, a new task never
+        reached the Stop and nothing said it waited. The replies wait for the next prompt."""
+        cap = pinbox.HOOK_CAP
+        self.register("k1")
+        self.inject("k1")
+        store = pinbox.Store(os.path.join(self.repo, ".pinbox"))
+        self.addCleanup(store.close)
+        closed = [pinbox.create_pin(store, {"text": "closed %d" % i})["id"] for i in range(cap)]
+        self.inject("k1")  # (the pins reach the agent)
+        for pin_id in closed:
+            pinbox.add_message(store, pin_id, "human", "PBX-LATE reply on %s" % pin_id)
+            pinbox.resolve_pin(store, pin_id, "human")
+        task = pinbox.create_pin(store, {"text": "a new task"})["id"]
+        reason = self.stop("k1")
+        self.assertIn(task, reason)
+        self.assertNotIn("PBX-LATE", reason)
+        self.assertNotIn("more update(s) wait", reason)
+        self.assertIn("PBX-LATE reply on %s" % closed[-1], self.inject("k1"))
+
+    def test_an_accepted_fix_never_holds_a_stop_even_on_a_pin_open_again(self):
+        pin = self.pin("Logo is blurry")
+        self.register("k1")
+        self.inject("k1")
+        self.ok("resolve", pin["id"])
+        self.ok("verify", pin["id"], "--outcome", "accepted")
+        self.ok("reopen", pin["id"], "--note", "blurry again on mobile")
+        self.assertIn("blurry again on mobile", self.stop("k1"))
+        self.assertEqual(self.sql("SELECT json_extract(e.payload, '$.verification.outcome'), d.status FROM deliveries d "
+                                  "JOIN events e ON e.seq = d.event_seq WHERE e.type = 'pin.verified' ORDER BY d.id"),
+                         [("accepted", "pending"), ("reopened", "delivered")])  # (the accept: at the next prompt)
+
     def test_an_accepted_fix_no_agent_made_is_for_no_session(self):
         pin = self.pin("Logo is blurry")  # no session here: no agent has it
         self.ok("resolve", pin["id"])
