@@ -1122,33 +1122,58 @@ def file_banners(source):
             if lines[i].startswith("# =====") and lines[i + 2].startswith("# =====")]
 
 
-# Any SQL statement that writes a table, in any case and spacing; a table named through
-# `%s` or `{}` is caught as such (no section can be shown to own it).
-SQL_WRITE = re.compile(r"\b(?:INSERT(?:\s+OR\s+\w+)?\s+INTO|REPLACE\s+INTO|UPDATE(?:\s+OR\s+\w+)?|DELETE\s+FROM)"
-                       r"\s+(%s|\{\w*\}|\w+)", re.I)
+# Any SQL statement that writes a table, in any case, spacing or comments, its table
+# quoted or named with its schema; a table named through `%s`, `%(name)s`, `{}` or an
+# f-string's part is caught as such (no section can be shown to own it).
+SQL_GAP = r"(?:\s|/\*.*?\*/)+"
+SQL_WRITE = re.compile(r"\b(?:INSERT(?:{0}OR{0}\w+)?{0}INTO|REPLACE{0}INTO|UPDATE(?:{0}OR{0}\w+)?|DELETE{0}FROM){0}"
+                       r"(?:\w+\.)?[\"`\[]?(%(?:\(\w+\))?s|\{{\w*\}}|\w+)".format(SQL_GAP), re.I | re.S)
+
+
+def sql_texts(tree):
+    """(line, text) of each string in a syntax tree that may hold SQL: a constant, an
+    f-string (each of its {…} parts as "{}") and strings joined by `+` (a part that is
+    not a string as "{}"), whole, as well as each constant in them."""
+    import ast
+
+    def joined(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        if isinstance(node, ast.JoinedStr):
+            return "".join(joined(part) if isinstance(part, ast.Constant) else "{}" for part in node.values)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            left, right = joined(node.left), joined(node.right)
+            return None if left is None and right is None else (left or "{}") + (right or "{}")
+        return None
+    for node in ast.walk(tree):
+        text = joined(node) if isinstance(node, (ast.Constant, ast.JoinedStr, ast.BinOp)) else None
+        if text is not None:
+            yield node, text
 
 
 def sql_writers(source):
     """{(section, table)} of every SQL write in pinbox.py to one of the store's tables,
-    the migrations aside (MIGRATIONS and the _backfill_ steps it runs change the schema
-    itself). A string with a placeholder for its table counts as table "%s"."""
+    the migrations aside (MIGRATIONS and the _backfill_ steps it runs, in the store's
+    section, change the schema itself). A statement whose table is a placeholder counts
+    as table "%s"."""
     import ast
     tree = ast.parse(source)
     banners = file_banners(source)
+    section = lambda line: [title for at, title in banners if at < line][-1]
     tables = {name.lower() for statements in pinbox.MIGRATIONS.values() for statement in statements
               for name in re.findall(r"CREATE (?:VIRTUAL )?TABLE IF NOT EXISTS (\w+)", statement)}
     skipped = set()
     for node in tree.body:
         named = [t.id for t in getattr(node, "targets", ()) if isinstance(t, ast.Name)]
-        if named == ["MIGRATIONS"] or getattr(node, "name", "").startswith("_backfill_"):
+        if named == ["MIGRATIONS"] or (getattr(node, "name", "").startswith("_backfill_")
+                                       and section(node.lineno).startswith("Store:")):
             skipped.update(id(sub) for sub in ast.walk(node))
     found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skipped:
-            for table in SQL_WRITE.findall(node.value):
+    for node, text in sql_texts(tree):
+        if id(node) not in skipped:
+            for table in SQL_WRITE.findall(text):
                 if table.lower() in tables or not table.isidentifier():
-                    found.add(([title for at, title in banners if at < node.lineno][-1],
-                                table.lower() if table.isidentifier() else "%s"))
+                    found.add((section(node.lineno), table.lower() if table.isidentifier() else "%s"))
     return found
 
 
@@ -14213,14 +14238,23 @@ class TestTheHouse(unittest.TestCase):
         for table, owner in self.WRITERS.items():
             with self.subTest(table=table):
                 self.assertEqual({section for section, t in found if t == table}, {owner})
-        # The scan sees a writer in the wrong section, in any case and spacing, and a
-        # table named through %.
-        for stray in ('    conn.execute("insert  or replace\\n into sessions(id) VALUES (1)")\n',
-                      '    conn.execute("INSERT OR IGNORE INTO sessions(id) VALUES (1)")\n',
-                      '    conn.execute("DELETE FROM %s" % "sessions")\n'):
+        # The scan sees a writer in the wrong section: in any case, spacing or comment, its
+        # table quoted or with its schema, joined by +, or named through a placeholder.
+        for stray, table in (('    conn.execute("insert  or replace\\n into sessions(id) VALUES (1)")\n', "sessions"),
+                             ('    conn.execute("INSERT OR IGNORE INTO sessions(id) VALUES (1)")\n', "sessions"),
+                             ('    conn.execute("DELETE /* gone */ FROM main.\\"sessions\\"")\n', "sessions"),
+                             ('    conn.execute("DELETE FROM " + "sessions")\n', "sessions"),
+                             ('    conn.execute("DELETE FROM %s" % "sessions")\n', "%s"),
+                             ('    conn.execute("DELETE FROM %(t)s" % {"t": "sessions"})\n', "%s"),
+                             ('    conn.execute(f"DELETE FROM {pin}")\n', "%s"),
+                             ('    conn.execute("DELETE FROM " + pin)\n', "%s")):
             planted = source.replace("def moved_elsewhere(conn, pin, before):\n",
                                      "def moved_elsewhere(conn, pin, before):\n" + stray, 1)
-            self.assertEqual(sql_writers(planted) - found, {(self.SYNC, "%s" if "%" in stray else "sessions")})
+            self.assertEqual(sql_writers(planted) - found, {(self.SYNC, table)}, stray)
+        # A schema step is one only in the store's section.
+        planted = source.replace("def moved_elsewhere(conn, pin, before):\n", "def _backfill_elsewhere(conn):\n"
+                                 "    conn.execute(\"DELETE FROM sessions\")\n\n\ndef moved_elsewhere(conn, pin, before):\n", 1)
+        self.assertEqual(sql_writers(planted) - found, {(self.SYNC, "sessions")})
 
     def test_a_private_helper_is_called_only_in_its_own_section(self):
         with open(SCRIPT, encoding="utf-8") as handle:
