@@ -1126,8 +1126,8 @@ def file_banners(source):
 # quoted or named with its schema; a table named through `%s`, `%(name)s`, `{}` or an
 # f-string's part is caught as such (no section can be shown to own it).
 SQL_GAP = r"(?:\s|/\*.*?\*/)+"
-SQL_WRITE = re.compile(r"\b(?:INSERT(?:{0}OR{0}\w+)?{0}INTO|REPLACE{0}INTO|UPDATE(?:{0}OR{0}\w+)?|DELETE{0}FROM){0}"
-                       r"(?:\w+\.)?[\"`\[]?(%(?:\(\w+\))?s|\{{\w*\}}|\w+)".format(SQL_GAP), re.I | re.S)
+SQL_WRITE = re.compile(r"(?is)\b(?:INSERT(?:{0}OR{0}\w+)?{0}INTO|REPLACE{0}INTO|UPDATE(?:{0}OR{0}\w+)?|DELETE{0}FROM)"
+                       r"{0}(?:\w+\.)?[\"`\[]?(%(?:\(\w+\))?s|\{{\w*\}}|\w+)".format(SQL_GAP))
 
 
 def sql_texts(tree):
@@ -14329,9 +14329,13 @@ class TestTheHouse(unittest.TestCase):
     def imported(source):
         """The modules a source file imports, anywhere in it."""
         import ast
-        return {alias.name.split(".")[0] for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Import)
-                for alias in node.names} | {(node.module or "").split(".")[0] for node in ast.walk(ast.parse(source))
-                                            if isinstance(node, ast.ImportFrom)}
+        names = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                names.add((node.module or "").split(".")[0])
+        return names
 
     def test_the_benchmarks_import_nothing_from_the_tests(self):
         with open(os.path.join(HERE, "bench", "run.py"), encoding="utf-8") as handle:
