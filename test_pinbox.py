@@ -6422,6 +6422,7 @@ class TestSync(SyncCase):
         span = time.monotonic() - started
         pins, replies = 1, 0
         phases = dict.fromkeys(("before staging", "after staging, before the push lands", "after the push"), 0)
+        outlived = []
         for round_ in range(20):
             machine = rng.choice((a, b))
             machine.ok("pin", "%s round %d" % (machine.name, round_))
@@ -6445,12 +6446,15 @@ class TestSync(SyncCase):
                         os.kill(pid, signal.SIGKILL)
                     except OSError:
                         pass
+            else:
+                outlived += children
             self.assertEqual(machine.sql("PRAGMA integrity_check"), [("ok",)])
             for line in machine.refs("refs/pinbox/").splitlines():
                 self.assertEqual(git(machine.repo, "cat-file", "-t", line.split()[1]), "commit")
             if rng.random() < 0.3:
                 (b if machine is a else a).sync()
-        time.sleep(0.5)  # a git that outlived its killed pinbox finishes on its own
+        # A git that outlived its killed pinbox finishes on its own.
+        eventually(lambda: not any(pid_running(pid) for pid in outlived), 60, "the git left by a killed sync to end")
         for machine in (a, b, a, b):
             machine.sync()
         state_a = a.state()
@@ -13842,7 +13846,7 @@ class TestToolbarInChromium(HubCase):
         on_screen = ("(() => { const el = %s; if (!el) return false; const r = el.getBoundingClientRect(); return "
                      "r.width > 0 && r.left >= 0 && r.top >= 0 && r.right <= innerWidth && r.bottom <= innerHeight; })()")
         b.wait_for("innerWidth === 400 && %s" % (on_screen % marker))  # the marker has moved into the narrow window
-        time.sleep(0.1)
+        b.settle("(%s).getBoundingClientRect().toJSON()" % marker)
         b.click_at(marker)
         b.wait_for("!!(%s)" % self.shadow('[data-pinbox="thread"]'))
         for control in ("reply", "send", "resolve"):
@@ -14124,7 +14128,9 @@ class TestToolbarInChromium(HubCase):
                  "e.name.endsWith('/thread')).map(e => e.name.split('/')[4]).sort().join()")
         b.wait_for("document.getElementById('pins').innerText.includes('agent: which page?')")
         self.assertEqual(b.evaluate(asked), talked["id"])  # a pin with no messages is not asked about
-        time.sleep(5.5)
+        loads = "performance.getEntriesByType('resource').filter(e => e.name.endsWith('/summary')).length"
+        seen = b.evaluate(loads)
+        b.wait_for("%s >= %d" % (loads, seen + 2), 15)  # a whole refresh since, and the next begun
         self.assertEqual(b.evaluate(asked), talked["id"])  # nor one whose thread did not change
         self.ok("reply", quiet["id"], "now somebody did")
         b.wait_for("document.getElementById('pins').innerText.includes('human: now somebody did')", 8)
