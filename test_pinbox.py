@@ -4763,7 +4763,12 @@ class TestSourceMapLimits(HubCase):
         big = json.dumps({"version": 3, "sources": ["src/big.js"], "mappings": ";".join(rows)}).encode()
         pin = self.serve_modules({"/big.js": b"code();\n//# sourceMappingURL=big.js.map\n", "/big.js.map": big})
         answers = []
-        threads = [threading.Thread(target=lambda: answers.append(pin("/big.js", len(rows) - 1))) for _ in range(4)]
+        def one():
+            try:
+                answers.append(pin("/big.js", len(rows) - 1))
+            except OSError as exc:  # (said in the failure: a pin cut off, not only a pin missing)
+                answers.append(repr(exc))
+        threads = [threading.Thread(target=one) for _ in range(4)]
         for thread in threads:
             thread.start()
         for thread in threads:
